@@ -1,0 +1,12 @@
+"""pyinfra loads this file (from the directory you run pyinfra in) before the inventory.
+
+It makes servestack validate the manifest and every targeted host's data as soon as the
+inventory is loaded, before pyinfra opens any connection: bad input stops the run with one
+message naming each host, key and expectation.
+"""
+
+from pyinfra import state
+
+from servestack.preconnect import validate_after_inventory_load
+
+validate_after_inventory_load(state)

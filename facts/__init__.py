@@ -1,0 +1,1 @@
+"""pyinfra facts that read a host's state: one module per subject."""

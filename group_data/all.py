@@ -1,0 +1,20 @@
+"""Fleet-wide overrides of the manifest defaults (files/stack.toml). Every key is optional.
+
+Examples (uncomment to use):
+
+# Air-gapped fleet: fetch the CUDA runfile from a mirror, Python packages from an internal index.
+# cuda_mirror = "https://mirror.internal/nvidia/cuda/13.0.1/local_installers/"
+# index_pypi_url = "https://mirror.internal/pypi/simple"
+# index_torch_url = "https://mirror.internal/pytorch/whl/cu130"
+# index_flashinfer_url = "https://mirror.internal/flashinfer/whl/cu130"
+# wheel_url_sgl_kernel = "https://mirror.internal/sgl/sgl_kernel-0.3.21+cu130-cp310-abi3-manylinux2014_x86_64.whl"
+# uv_index_url = "https://mirror.internal/pypi/simple"
+
+# Or: the control machine downloads the runfile once and uploads it to each host that lacks it.
+# cuda_runfile_from = "controller"
+
+# Service
+# service_model_path = "/models/Kimi-K2.5-NVFP4"
+# service_draft_model_path = "/models/kimi-k2.5-eagle3"
+# service_secret_env = ["HF_TOKEN"]
+"""

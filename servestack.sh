@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# servestack's entry point on a control machine (Debian/Ubuntu, as root for the sandbox):
+# installs what is missing (Debian packages, uv, the locked .venv), then runs a command.
+#
+#   ./servestack.sh rehearse          # boot sandbox hosts, dry-run, converge twice, verify
+#   ./servestack.sh test [PYTEST ARGS] # the test suite (unit + integration on sandbox hosts)
+#   ./servestack.sh <any servestack subcommand>   # e.g. sandbox up --hosts 3, doctor inventory.py
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cd "$here"
+
+DEBIAN_PACKAGES=(python3 python3-venv debootstrap systemd-container makeself zstd iproute2
+                 openssh-client patch curl ca-certificates)
+
+missing_debian_packages() {
+    for package in "${DEBIAN_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'ok installed' || echo "$package"
+    done
+}
+
+ensure_debian_packages() {
+    local missing
+    missing=$(missing_debian_packages)
+    [ -z "$missing" ] && return
+    echo "servestack: installing Debian packages: $(echo $missing)" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # --no-install-recommends: recommends pull libnss-mymachines, which edits /etc/nsswitch.conf
+    apt-get install -y -qq --no-install-recommends $missing >/dev/null
+}
+
+uv_version() {
+    python3 -c 'import tomllib; print(tomllib.load(open("files/stack.toml", "rb"))["uv"]["version"])'
+}
+
+ensure_venv() {
+    local uv=.tools/bin/uv version
+    version=$(uv_version)
+    if ! [ -x "$uv" ] || [ "$("$uv" --version | cut -d' ' -f2)" != "$version" ]; then
+        echo "servestack: installing uv $version into .tools/" >&2
+        python3 -m venv .tools
+        .tools/bin/pip install -q "uv==$version"
+    fi
+    UV_PYTHON_DOWNLOADS=never "$uv" sync -q --locked --extra test --python "$(command -v python3)"
+}
+
+ensure_debian_packages
+ensure_venv
+case "${1:-}" in
+    test) shift; exec .venv/bin/python -m pytest "$@" ;;
+    *) exec .venv/bin/servestack "$@" ;;
+esac

@@ -1,0 +1,117 @@
+"""The `servestack` command: sandbox hosts, the rehearsal, and fleet reports.
+
+    servestack rehearse [--hosts N]                 boot sandbox hosts, dry-run, converge twice, verify
+    servestack sandbox up --hosts N [--gpu MODEL --capability X.Y --driver V] [--user ubuntu]
+    servestack sandbox run -- CMD...                run a command in the sandbox's controller namespace
+    servestack sandbox exec HOST [-- CMD...]        run a command on one sandbox host (a shell without CMD)
+    servestack sandbox down                         remove the sandbox hosts and everything they used
+    servestack doctor INVENTORY [--limit L] [--json]   preflight checks as a report; changes nothing
+    servestack verify INVENTORY [--limit L] [--junit FILE]  the verification suite as a per-host table
+    servestack backups INVENTORY [--limit L]       list the environment snapshots kept on each host
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from servestack.errors import ConfigError
+
+
+def _sandbox_parser(commands) -> None:
+    sandbox = commands.add_parser("sandbox", help="throwaway GPU-host stand-ins on this machine")
+    actions = sandbox.add_subparsers(dest="action", required=True)
+    up = actions.add_parser("up", help="boot hosts and write an inventory for them")
+    up.add_argument("--hosts", type=int, default=2)
+    up.add_argument("--gpu", default=None, help="GPU model the stand-in nvidia-smi reports")
+    up.add_argument("--capability", default=None, help="compute capability, e.g. 12.0")
+    up.add_argument("--driver", default=None, help="driver version, e.g. 580.82.07")
+    up.add_argument("--gpus", type=int, default=None, help="GPUs per host")
+    up.add_argument("--user", choices=("root", "ubuntu"), default="root",
+                    help="SSH user in the inventory ('ubuntu' uses sudo)")
+    run = actions.add_parser("run", help="run a command in the controller namespace")
+    run.add_argument("argv", nargs=argparse.REMAINDER)
+    exec_ = actions.add_parser("exec", help="run a command on one host")
+    exec_.add_argument("host")
+    exec_.add_argument("argv", nargs=argparse.REMAINDER)
+    actions.add_parser("down", help="remove the hosts, namespaces, mounts and state")
+    actions.add_parser("status", help="show the sandbox's hosts and inventory")
+    for parser in (up, run, exec_, *actions.choices.values()):
+        parser.set_defaults(name=os.environ.get("SERVESTACK_SANDBOX", "default"))
+
+
+def _inventory_parser(commands, name: str, help_text: str):
+    parser = commands.add_parser(name, help=help_text)
+    parser.add_argument("inventory")
+    parser.add_argument("--limit", default=None, help="group or host names (comma separated)")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servestack", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rehearse = commands.add_parser("rehearse", help="the whole upgrade on sandbox hosts, proven")
+    rehearse.add_argument("--hosts", type=int, default=2)
+    rehearse.add_argument("--keep", action="store_true", help="leave the sandbox running afterwards")
+    _sandbox_parser(commands)
+    _inventory_parser(commands, "doctor", "preflight checks as a report").add_argument(
+        "--json", action="store_true", dest="as_json")
+    _inventory_parser(commands, "verify", "run the verification suite, per-host table").add_argument(
+        "--junit", default=None)
+    _inventory_parser(commands, "backups", "list environment snapshots on each host")
+    return parser
+
+
+def _strip_separator(argv: list[str]) -> list[str]:
+    return argv[1:] if argv[:1] == ["--"] else argv
+
+
+def _sandbox(args) -> int:
+    from servestack.sandbox.lab import Lab, gpu_spec
+
+    lab = Lab(args.name)
+    if args.action == "up":
+        gpu = gpu_spec(model=args.gpu, capability=args.capability, driver=args.driver, count=args.gpus)
+        lab.up(args.hosts, gpu=gpu, user=args.user)
+        lab.print_status()
+        return 0
+    if args.action == "down":
+        lab.down()
+        return 0
+    if args.action == "status":
+        lab.print_status()
+        return 0
+    if args.action == "run":
+        return lab.run_in_controller(_strip_separator(args.argv))
+    return lab.exec_interactive(args.host, _strip_separator(args.argv))
+
+
+def _fleet_report(args) -> int:
+    if args.command == "doctor":
+        from servestack.doctor import doctor_main
+        return doctor_main(args.inventory, args.limit, args.as_json)
+    if args.command == "verify":
+        from servestack.verify import verify_main
+        return verify_main(args.inventory, args.limit, args.junit)
+    from servestack.backups import backups_main
+    return backups_main(args.inventory, args.limit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "rehearse":
+            from servestack.rehearse import rehearse
+            return rehearse(hosts=args.hosts, keep=args.keep)
+        if args.command == "sandbox":
+            return _sandbox(args)
+        return _fleet_report(args)
+    except ConfigError as error:
+        print(f"servestack: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
