@@ -1,0 +1,117 @@
+"""The state of servestack's source patches in a Python environment, in one round trip.
+
+Patch sets live in files/patches/<package>/<version>/: NNNN-name.patch files (applied
+in name order) and an optional checks.py (see files/patches/sglang/0.5.9/checks.py).
+The fact ships servestack/patchlib.py, every set of the package and the mode to the
+environment's python as an inline script; the script reads the installed version, picks
+that version's set and prints one JSON object (see patchlib.remote_main).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+import zlib
+from pathlib import Path
+
+from pyinfra.api import FactBase
+
+from servestack import patchlib
+
+PATCH_ROOT = Path(__file__).resolve().parent.parent / "files" / "patches"
+CHECKS_FILE = "checks.py"
+HEREDOC_END = "SERVESTACK_PATCHES_EOF"
+
+
+def load_patch_sets(package: str, patch_root: str | Path = PATCH_ROOT) -> dict:
+    """{version: {"patches": [[name, text], ...], "checks": source or None}} for package."""
+    sets = {}
+    package_dir = Path(patch_root) / package
+    for set_dir in sorted(p for p in package_dir.glob("*") if p.is_dir()):
+        patches = [[p.stem, p.read_bytes().decode()] for p in sorted(set_dir.glob("*.patch"))]
+        checks = set_dir / CHECKS_FILE
+        if patches:
+            sets[set_dir.name] = {
+                "patches": patches,
+                "checks": checks.read_text() if checks.is_file() else None,
+            }
+    return sets
+
+
+def remote_command(python: str, mode: str, package: str, record_path: str | None, patch_root: str | Path) -> str:
+    """The shell command running patchlib.remote_main with the environment's python.
+
+    `python -I -` reads the script from a quoted heredoc: no local paths or environment
+    leak in, and the payload (base64 of zlib-compressed JSON) needs no shell quoting.
+    A missing interpreter prints a sentinel instead of failing the command.
+    """
+    payload = {
+        "mode": mode,
+        "package": package,
+        "record_path": record_path,
+        "sets": load_patch_sets(package, patch_root),
+        "engine": Path(patchlib.__file__).read_text(),
+    }
+    blob = base64.b64encode(zlib.compress(json.dumps(payload).encode(), 9)).decode()
+    script = "\n".join(
+        [
+            f"# servestack patches: {mode} {package}",
+            "import base64, json, sys, types, zlib",
+            f"payload = json.loads(zlib.decompress(base64.b64decode('{blob}')))",
+            "engine = types.ModuleType('servestack_patchlib')",
+            "sys.modules[engine.__name__] = engine",
+            "exec(compile(payload['engine'], 'servestack/patchlib.py', 'exec'), engine.__dict__)",
+            "sys.exit(engine.remote_main(payload))",
+        ]
+    )
+    absent = json.dumps({"python": python, "package": package, "installed": False, "python_missing": True})
+    py = shlex.quote(python)
+    return (
+        f"if [ -x {py} ]; then {py} -I - <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}\n"
+        f"else echo {shlex.quote(absent)}; fi"
+    )
+
+
+class PatchStates(FactBase):
+    """
+    Returns the state of servestack's patch set for a package installed in an environment.
+
+    + python: the environment's interpreter, e.g. ``/opt/ml-env/bin/python``
+    + package: distribution name; its installed version selects the set
+    + record_path: the JSON record to compare with; default ``<sys.prefix>/servestack-patches.json``
+    + patch_root: local directory of ``<package>/<version>/`` patch sets
+
+    .. code:: python
+
+        {
+            "python": "/opt/ml-env/bin/python", "package": "sglang",
+            "installed": True, "version": "0.5.9",
+            "site_packages": "/opt/ml-env/lib/python3.12/site-packages",
+            "patch_set": "0.5.9",             # None: no set for this version
+            "patches": [{
+                "name": "0001-sm120-torch-symm-mem", "sha256": "<of the patch file>",
+                "state": "applicable",        # applied | applicable | upstream | conflict
+                "conflict": None,             # or {"path", "hunk", "header", "reason"}
+                "check": "ok",                # or why the patched sources fail their checks
+                "diff": "--- a/...",          # for applicable patches
+                "files": [{"path", "state", "sha256_before", "sha256"}],
+            }],
+            "record_path": "...", "record": "current",   # current | stale | missing
+        }
+
+    ``installed`` is False (with ``python_missing`` when there is no interpreter) if
+    the package is not installed there.
+    """
+
+    def command(
+        self,
+        python: str,
+        package: str = "sglang",
+        record_path: str | None = None,
+        patch_root: str = str(PATCH_ROOT),
+    ) -> str:
+        return remote_command(python, "check", package, record_path, patch_root)
+
+    def process(self, output: list) -> dict:
+        return json.loads("\n".join(output))

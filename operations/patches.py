@@ -1,0 +1,99 @@
+"""SGLang source patches: servestack's fixes for the installed sglang, keyed by version."""
+
+from __future__ import annotations
+
+from pyinfra import host, logger
+from pyinfra.api import OperationError, deploy, operation
+from pyinfra.api.output import format_text
+
+from facts.patches import PATCH_ROOT, PatchStates, remote_command
+from servestack import patchlib
+
+PACKAGE = "sglang"
+DEFAULT_PYTHON = "/opt/ml-env/bin/python"
+
+
+@operation()
+def sglang_patches(python: str, record_path: str | None = None, patch_root: str = str(PATCH_ROOT)):
+    """
+    Apply servestack's patch set for the installed SGLang version, all patches or none.
+
+    + python: the environment's interpreter, e.g. ``/opt/ml-env/bin/python``
+    + record_path: JSON record of the set (package, version, each patch's sha256 and state,
+      each file's sha256 before and after); default ``<sys.prefix>/servestack-patches.json``
+    + patch_root: local directory of ``<package>/<version>/`` patch sets
+
+    Every patch is checked before any file changes: one conflict (the file is not what
+    the patch expects) refuses the set, naming the file and hunk. Applicable patches are
+    written atomically, the patched modules byte-compiled, then the record written.
+    Already applied and upstream patches change nothing. A version without a set gets none.
+
+    **Example:**
+
+    .. code:: python
+
+        sglang_patches(
+            name="Apply SGLang patches",
+            python="/opt/servestack/releases/2026-01-01/bin/python",
+            record_path="/opt/servestack/releases/2026-01-01/servestack-patches.json",
+        )
+    """
+    status = host.get_fact(PatchStates, python=python, package=PACKAGE, record_path=record_path,
+                           patch_root=patch_root)
+    if not status["installed"]:
+        what = f"no python at {python}" if status.get("python_missing") else f"{PACKAGE} is not installed in {python}"
+        if host.state.is_executing:
+            raise OperationError(f"{PACKAGE} patches: {what}")
+        host.noop(f"{PACKAGE} patches: {what} yet; checked again when the deploy runs")
+        return
+
+    version = status["version"]
+    if status["patch_set"] is None:
+        host.noop(f"{PACKAGE} patches: no patch set for {PACKAGE} {version}, nothing to apply")
+        return
+
+    patches = status["patches"]
+    problem = patchlib.refusal(patches)
+    if problem:
+        raise OperationError(f"{PACKAGE} {version} patches refused, no file changed: {problem}")
+
+    pending = [p for p in patches if p["state"] == "applicable"]
+    if not pending and status["record"] == "current":
+        host.noop(f"{PACKAGE} {version} patches: all in place ({_summary(patches)})")
+        return
+
+    if host.state.config.DIFF:
+        _log_diffs(pending, status)
+    yield remote_command(python, "apply", PACKAGE, record_path, patch_root)
+
+
+def _summary(patches: list) -> str:
+    return ", ".join(f"{p['name']} {p['state']}" for p in patches)
+
+
+def _log_diffs(pending: list, status: dict) -> None:
+    colours = {"+": "green", "-": "red", "@": "cyan"}
+    for patch in pending:
+        host.log(f"Will apply {format_text(patch['name'], bold=True)} in {status['site_packages']}", logger.info)
+        for line in patch["diff"].splitlines():
+            colour = colours.get(line[:1]) if not line.startswith(("+++", "---")) else None
+            logger.info("  %s", format_text(line, colour) if colour else line)
+        logger.info("")
+    if not pending:
+        host.log(f"Will rewrite the record {status['record_path']} ({status['record']})", logger.info)
+
+
+def release_paths() -> tuple:
+    """(python, record_path) of the release to patch.
+
+    For now from host data (``patches_python``, ``patches_record_path``); to be wired to
+    the venv step's new release.
+    """
+    return host.data.get("patches_python") or DEFAULT_PYTHON, host.data.get("patches_record_path")
+
+
+@deploy("SGLang patches")
+def patches():
+    """Apply the SGLang source patches to the release's environment."""
+    python, record_path = release_paths()
+    sglang_patches(name="Apply SGLang source patches", python=python, record_path=record_path)

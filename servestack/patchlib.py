@@ -1,0 +1,535 @@
+"""Exact unified-diff engine for servestack's source patches (stdlib only).
+
+The same source runs in two places: locally (unit tests) and on the target host, where
+facts/patches.py ships it to the environment's own python together with the patch texts.
+Hunks match exactly: every context and removed line must be identical, hunks may move
+(offset) but there is no fuzz, unlike GNU patch, which happily applies the Kimi patch a
+second time to sglang 0.5.10 with fuzz 2.
+
+A patch is in one of four states on a tree:
+  applied     its result is there (reverse-applies exactly): nothing to do
+  applicable  its context is there (applies exactly)
+  upstream    not applicable, but every block of lines it adds is already present
+              (the target gained the change by other means, e.g. a newer release)
+  conflict    anything else; reported with the file, hunk and reason
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.metadata
+import json
+import os
+import py_compile
+import re
+import sys
+import tempfile
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+APPLIED = "applied"
+APPLICABLE = "applicable"
+UPSTREAM = "upstream"
+CONFLICT = "conflict"
+
+RECORD_NAME = "servestack-patches.json"
+
+_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+class PatchError(Exception):
+    """A patch set cannot be applied; nothing was changed."""
+
+
+class PatchFormatError(PatchError):
+    """A patch file is not a unified diff this engine supports."""
+
+
+@dataclass(frozen=True)
+class Hunk:
+    number: int  # 1-based position in its file section, as GNU patch counts
+    header: str
+    old_start: int
+    new_start: int
+    old: tuple  # lines (with their "\n") the hunk expects
+    new: tuple  # lines the hunk leaves
+    added: tuple  # blocks of consecutive added lines
+
+
+@dataclass(frozen=True)
+class FilePatch:
+    path: str  # relative to site-packages
+    hunks: tuple
+
+
+@dataclass
+class FileResult:
+    path: str
+    state: str
+    before: str | None = None  # the file without this patch
+    after: str | None = None  # the file with it
+    conflict: dict | None = None
+
+    def hashes(self) -> dict:
+        return {"sha256_before": _sha256_text(self.before), "sha256": _sha256_text(self.after)}
+
+
+@dataclass
+class PatchResult:
+    name: str
+    sha256: str
+    state: str
+    files: list
+    conflict: dict | None = None
+    check: str | None = None  # "ok" or why the patched sources fail their checks
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "sha256": self.sha256,
+            "state": self.state,
+            "conflict": self.conflict,
+            "check": self.check,
+            "diff": self.diff() if self.state == APPLICABLE else "",
+            "files": [{"path": f.path, "state": f.state, **f.hashes()} for f in self.files],
+        }
+
+    def diff(self) -> str:
+        return "".join(
+            "".join(
+                difflib.unified_diff(
+                    split_lines(f.before),
+                    split_lines(f.after),
+                    fromfile=f"a/{f.path}",
+                    tofile=f"b/{f.path}",
+                )
+            )
+            for f in self.files
+        )
+
+
+def split_lines(text: str) -> list:
+    """Lines with their "\\n"; unlike str.splitlines, only "\\n" ends a line."""
+    parts = text.split("\n")
+    lines = [part + "\n" for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def _sha256_text(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+# --- parsing -------------------------------------------------------------------------
+
+
+def parse_patch(text: str) -> list:
+    """The file sections of a unified diff (git format-patch header and stat are skipped)."""
+    lines = split_lines(text)
+    files = []
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            path = _section_path(lines[i], lines[i + 1])
+            i, hunks = _parse_hunks(lines, i + 2, path)
+            files.append(FilePatch(path, tuple(hunks)))
+        else:
+            i += 1
+    if not files:
+        raise PatchFormatError("no '--- '/'+++ ' file section found")
+    return files
+
+
+def _section_path(old_line: str, new_line: str) -> str:
+    old, new = (_strip_prefix(line[4:].rstrip("\n").split("\t")[0]) for line in (old_line, new_line))
+    if "/dev/null" in (old, new):
+        raise PatchFormatError("creating or deleting files is not supported")
+    if old != new:
+        raise PatchFormatError(f"renames are not supported: {old} -> {new}")
+    parts = Path(new).parts
+    if Path(new).is_absolute() or ".." in parts:
+        raise PatchFormatError(f"path must stay inside site-packages: {new}")
+    return new
+
+
+def _strip_prefix(path: str) -> str:
+    return path[2:] if path.startswith(("a/", "b/")) else path
+
+
+def _parse_hunks(lines: list, i: int, path: str) -> tuple:
+    hunks = []
+    while i < len(lines) and lines[i].startswith("@@"):
+        match = _HUNK_HEADER.match(lines[i])
+        if not match:
+            raise PatchFormatError(f"{path}: bad hunk header {lines[i]!r}")
+        header = lines[i].rstrip("\n")
+        old_count = int(match.group(2) or 1)
+        new_count = int(match.group(4) or 1)
+        old, new, added, run = [], [], [], []
+        i += 1
+        while len(old) < old_count or len(new) < new_count:
+            if i >= len(lines):
+                raise PatchFormatError(f"{path}: hunk {header} is truncated")
+            tag, body = lines[i][:1], lines[i][1:]
+            if tag not in (" ", "-", "+"):
+                # Includes "\ No newline at end of file": such targets simply conflict.
+                raise PatchFormatError(f"{path}: unsupported line in hunk {header}: {lines[i]!r}")
+            if tag in (" ", "-"):
+                old.append(body)
+            if tag in (" ", "+"):
+                new.append(body)
+            if tag == "+":
+                run.append(body)
+            elif run:
+                added.append(tuple(run))
+                run = []
+            i += 1
+        if run:
+            added.append(tuple(run))
+        if len(old) > old_count or len(new) > new_count:
+            raise PatchFormatError(f"{path}: hunk {header} line counts do not match its body")
+        if not old or not new:
+            raise PatchFormatError(f"{path}: hunk {header} has no context lines")
+        hunks.append(
+            Hunk(
+                number=len(hunks) + 1,
+                header=header,
+                old_start=int(match.group(1)),
+                new_start=int(match.group(3)),
+                old=tuple(old),
+                new=tuple(new),
+                added=tuple(added),
+            )
+        )
+    if not hunks:
+        raise PatchFormatError(f"{path}: file section without hunks")
+    return i, hunks
+
+
+# --- matching ------------------------------------------------------------------------
+
+
+def _find(lines: list, block: tuple, expected: int, start: int = 0) -> int | None:
+    """Index of the exact occurrence of block at or after start nearest to expected."""
+    best = None
+    n = len(block)
+    for i in range(start, len(lines) - n + 1):
+        if lines[i] == block[0] and tuple(lines[i : i + n]) == block:
+            if best is None or abs(i - expected) < abs(best - expected):
+                best = i
+    return best
+
+
+def _apply_hunks(lines: list, hunks: tuple, reverse: bool = False) -> list | None:
+    """lines with every hunk applied (or reverted) in order, or None if one does not match."""
+    out, pos, shift = [], 0, 0
+    for hunk in hunks:
+        src, dst, stated = (hunk.new, hunk.old, hunk.new_start) if reverse else (hunk.old, hunk.new, hunk.old_start)
+        at = _find(lines, src, stated - 1 + shift, pos)
+        if at is None:
+            return None
+        out += lines[pos:at]
+        out += dst
+        pos = at + len(src)
+        shift = at - (stated - 1)
+    return out + lines[pos:]
+
+
+def _content_present(lines: list, hunk: Hunk) -> bool:
+    """Every block the hunk adds is in lines, in order (blank edge lines ignored)."""
+    blocks = [_strip_blank_edges(block) for block in hunk.added]
+    blocks = [block for block in blocks if block]
+    if not blocks:
+        return False
+    start = 0
+    for block in blocks:
+        at = _find(lines, block, start, start)
+        if at is None:
+            return False
+        start = at + len(block)
+    return True
+
+
+def _strip_blank_edges(block: tuple) -> tuple:
+    lines = list(block)
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return tuple(lines)
+
+
+def _mismatch(lines: list, hunk: Hunk) -> str:
+    """The first line where an unmatched hunk differs from the file at its stated position."""
+    start = hunk.old_start - 1
+    found = lines[start : start + len(hunk.old)] + ["<end of file>"] * len(hunk.old)
+    k = next(k for k, want in enumerate(hunk.old) if found[k] != want)
+    return f"line {start + k + 1}: expected {hunk.old[k]!r}, found {found[k]!r}"
+
+
+def _conflict(path: str, hunk: Hunk | None, reason: str) -> dict:
+    return {
+        "path": path,
+        "hunk": hunk.number if hunk else None,
+        "header": hunk.header if hunk else None,
+        "reason": reason,
+    }
+
+
+def evaluate_file(path: str, text: str, file_patch: FilePatch) -> FileResult:
+    lines = split_lines(text)
+    reverted = _apply_hunks(lines, file_patch.hunks, reverse=True)
+    if reverted is not None:
+        return FileResult(path, APPLIED, before="".join(reverted), after=text)
+    patched = _apply_hunks(lines, file_patch.hunks)
+    if patched is not None:
+        return FileResult(path, APPLICABLE, before=text, after="".join(patched))
+
+    present = [hunk for hunk in file_patch.hunks if _content_present(lines, hunk)]
+    missing = [hunk for hunk in file_patch.hunks if hunk not in present]
+    if not missing:
+        return FileResult(path, UPSTREAM, before=text, after=text)
+    unmatched = [hunk for hunk in missing if _find(lines, hunk.old, 0) is None]
+    if unmatched:
+        reason = f"context does not match ({_mismatch(lines, unmatched[0])})"
+    elif present:
+        reason = f"partially applied: hunk #{present[0].number} is present, hunk #{missing[0].number} is not"
+    else:
+        reason = "hunks match only one by one (overlapping or out of order)"
+    hunk = (unmatched or missing)[0]
+    return FileResult(path, CONFLICT, before=text, conflict=_conflict(path, hunk, reason))
+
+
+def _patch_state(files: list) -> str:
+    states = {f.state for f in files}
+    if CONFLICT in states:
+        return CONFLICT
+    if len(states) == 1:
+        return states.pop()
+    if APPLICABLE in states:  # some files patched, others not
+        return CONFLICT
+    return UPSTREAM
+
+
+def _patch_conflict(sections: list, files: list) -> dict:
+    for f in files:
+        if f.conflict:
+            return f.conflict
+    patched = next(f.path for f in files if f.state != APPLICABLE)
+    section, f = next((s, f) for s, f in zip(sections, files) if f.state == APPLICABLE)
+    return _conflict(f.path, section.hunks[0], f"partially applied: {patched} is already patched, this file is not")
+
+
+def evaluate_set(site_packages: Path, patches: list, checks: dict | None = None) -> list:
+    """PatchResult for each (name, text) in order; a later patch sees earlier ones applied."""
+    texts = {}  # path -> content as the set leaves it so far
+    results = []
+    for name, patch_text in patches:
+        sections = parse_patch(patch_text)
+        files = []
+        for section in sections:
+            path = section.path
+            if path not in texts:
+                target = site_packages / path
+                if not target.is_file():
+                    files.append(FileResult(path, CONFLICT, conflict=_conflict(path, None, "file not found")))
+                    continue
+                texts[path] = target.read_bytes().decode()
+            files.append(evaluate_file(path, texts[path], section))
+        result = PatchResult(name, hashlib.sha256(patch_text.encode()).hexdigest(), _patch_state(files), files)
+        if result.state == CONFLICT:
+            result.conflict = _patch_conflict(sections, files)
+        else:
+            result.check = run_checks(result, (checks or {}).get(name))
+            texts.update((f.path, f.after) for f in files)
+        results.append(result)
+    return results
+
+
+def run_checks(result: PatchResult, check) -> str:
+    """Compile each patched file, then run the patch's behavioural check, if it has one."""
+    sources = {f.path: f.after for f in result.files}
+    try:
+        for path, source in sources.items():
+            compile(source, path, "exec")
+        if check:
+            check(sources)
+    except Exception as exc:  # a check exercises patched code: any exception is a failure
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+# --- applying ------------------------------------------------------------------------
+
+
+def refusal(patches: list) -> str | None:
+    """Why a set (PatchResult.as_dict() of each patch) must not be applied, or None.
+
+    Names every conflict's file and hunk and every failed check.
+    """
+    problems = []
+    for patch in patches:
+        conflict = patch["conflict"]
+        if conflict:
+            where = conflict["path"]
+            if conflict["hunk"]:
+                where += f" hunk #{conflict['hunk']} ({conflict['header']})"
+            problems.append(f"{patch['name']}: conflict in {where}: {conflict['reason']}")
+        elif patch["check"] != "ok":
+            problems.append(f"{patch['name']}: patched sources fail their checks: {patch['check']}")
+    return "; ".join(problems) or None
+
+
+def make_record(package: str, version: str, results: list) -> dict:
+    """The record of a set as it stands once applied (applicable patches count as applied)."""
+    return {
+        "package": package,
+        "version": version,
+        "patches": [
+            {
+                "name": r.name,
+                "sha256": r.sha256,
+                "state": APPLIED if r.state == APPLICABLE else r.state,
+                "files": [{"path": f.path, **f.hashes()} for f in r.files],
+            }
+            for r in results
+        ],
+    }
+
+
+def record_status(record_path: Path, expected: dict) -> str:
+    if not record_path.is_file():
+        return "missing"
+    try:
+        current = json.loads(record_path.read_text())
+    except ValueError:
+        return "stale"
+    return "current" if current == expected else "stale"
+
+
+def apply_set(site_packages: Path, patches: list, checks: dict | None, package: str, version: str, record_path: Path) -> list:
+    """Apply every applicable patch and write the record, all or nothing; then byte-compile."""
+    results = evaluate_set(site_packages, patches, checks)
+    problem = refusal([r.as_dict() for r in results])
+    if problem:
+        raise PatchError(f"{package} {version}: set refused, no file changed: {problem}")
+    contents = {}  # path -> final text; later patches of the set override earlier ones
+    for r in results:
+        if r.state == APPLICABLE:
+            contents.update((f.path, f.after) for f in r.files)
+    writes = {site_packages / path: text.encode() for path, text in contents.items()}
+    writes[record_path] = (json.dumps(make_record(package, version, results), indent=2) + "\n").encode()
+    replace_all(writes)
+    for path in contents:
+        py_compile.compile(str(site_packages / path), doraise=True)
+    return results
+
+
+def replace_all(writes: dict) -> None:
+    """Replace every file with its bytes, or leave all of them as they were."""
+    originals = {path: path.read_bytes() if path.exists() else None for path in writes}
+    temps = {}
+    try:
+        for path, data in writes.items():
+            temps[path] = _temp_copy(path, data)
+        done = []
+        try:
+            for path, temp in temps.items():
+                os.replace(temp, path)
+                done.append(path)
+        except BaseException:
+            for path in done:
+                _restore(path, originals[path])
+            raise
+    finally:
+        for temp in temps.values():
+            if os.path.exists(temp):
+                os.unlink(temp)
+
+
+def _temp_copy(path: Path, data: bytes) -> str:
+    """A temp file next to path holding data, with path's mode (and owner, as root)."""
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".servestack", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            st = path.stat()
+            os.chmod(temp, st.st_mode & 0o7777)
+            if os.geteuid() == 0:  # a root deploy must not hand the venv's files to root
+                os.chown(temp, st.st_uid, st.st_gid)
+        else:
+            os.chmod(temp, 0o644)
+    except BaseException:
+        os.unlink(temp)
+        raise
+    return temp
+
+
+def _restore(path: Path, original: bytes | None) -> None:
+    if original is None:
+        path.unlink()
+    else:
+        os.replace(_temp_copy(path, original), path)
+
+
+# --- remote entry point --------------------------------------------------------------
+
+
+def load_checks(source: str | None, name: str) -> dict:
+    """The CHECKS mapping (patch name -> check(sources)) of a set's checks.py source."""
+    if not source:
+        return {}
+    module = types.ModuleType(name)
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)
+    return module.CHECKS
+
+
+def remote_main(payload: dict) -> int:
+    """Run on the host by the environment's python; prints one JSON object.
+
+    payload: {"mode": "check"|"apply", "package", "record_path" (or None: sys.prefix),
+              "sets": {version: {"patches": [[name, text], ...], "checks": source|None}}}
+    """
+    package = payload["package"]
+    out = {"python": sys.executable, "package": package, "installed": False}
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        print(json.dumps(out))
+        return 0
+    site_packages = Path(dist.locate_file("")).resolve()
+    patch_set = payload["sets"].get(dist.version)
+    out.update(
+        installed=True,
+        version=dist.version,
+        site_packages=str(site_packages),
+        patch_set=dist.version if patch_set else None,
+        patches=[],
+        record_path=None,
+        record=None,
+    )
+    if patch_set:
+        record_path = Path(payload["record_path"] or Path(sys.prefix) / RECORD_NAME)
+        patches = [tuple(p) for p in patch_set["patches"]]
+        checks = load_checks(patch_set["checks"], f"servestack_patch_checks_{package}")
+        try:
+            if payload["mode"] == "apply":
+                results = apply_set(site_packages, patches, checks, package, dist.version, record_path)
+            else:
+                results = evaluate_set(site_packages, patches, checks)
+        except PatchError as exc:
+            print(f"servestack patches: {exc}", file=sys.stderr)
+            return 1
+        out.update(
+            patches=[r.as_dict() for r in results],
+            record_path=str(record_path),
+            record=record_status(record_path, make_record(package, dist.version, results)),
+        )
+    print(json.dumps(out))
+    return 0

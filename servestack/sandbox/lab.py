@@ -1,0 +1,229 @@
+"""A GPU-host lab: sandbox hosts dressed as pre-upgrade GPU hosts, an artifact server, an inventory.
+
+`Lab(name).up(n)` boots `n` sandbox hosts (servestack.sandbox.hosts) dressed with the stand-ins
+(a stand-in nvidia-smi, a CUDA 12.8 stand-in with /usr/local/cuda -> cuda-12.8, a hand-made
+ml-env holding torch +cu128), starts the artifact server in the sandbox's controller namespace,
+and writes an inventory whose host data points every URL of the manifest at that server. The
+stand-in runfile cannot match the real one's size and checksums, so the hosts use a sandbox
+copy of the manifest that differs from files/stack.toml only in those three values.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from servestack.manifest import DEFAULT_MANIFEST, PROJECT_ROOT, load_manifest
+from servestack.sandbox.hosts import Sandbox
+from servestack.sandbox.rootfs import cache_dir
+from servestack.sandbox.standins.build import ArtifactSet, build_artifacts
+from servestack.sandbox.standins.host import dress_gpu_host
+from servestack.sandbox.standins.nvidia_smi import Gpu
+from servestack.sandbox.standins.runfile import RunfileInfo
+
+ARTIFACT_PORT = 8080
+SERVER_PID_FILE = "artifact-server.pid"
+SERVER_LOG = "artifact-requests.log"
+STANDINS_SOURCE = Path(__file__).resolve().parent / "standins"
+
+# Host state that a deploy may touch: a dry run must leave every entry's listing unchanged.
+FINGERPRINT_PATHS = ("/usr/local", "/opt", "/etc", "/var/lib/servestack", "/var/cache/servestack",
+                     "/var/log/cuda-installer.log")
+
+
+def gpu_spec(model: str | None = None, capability: str | None = None, driver: str | None = None,
+             count: int | None = None) -> Gpu:
+    """The stand-in GPU: the fleet's defaults (manifest) with any given field replaced."""
+    overrides = {"name": model, "compute_cap": capability, "driver_version": driver, "count": count}
+    return replace(Gpu(), **{key: value for key, value in overrides.items() if value is not None})
+
+
+def _artifacts_key(runfile_mode: str) -> str:
+    digest = hashlib.sha256(DEFAULT_MANIFEST.read_bytes())
+    for source in sorted(STANDINS_SOURCE.glob("*.py")):
+        digest.update(source.read_bytes())
+    return f"{runfile_mode}-{digest.hexdigest()[:12]}"
+
+
+def cached_artifacts(runfile_mode: str = "normal") -> ArtifactSet:
+    """The artifact tree for a runfile mode, built once per manifest and stand-in source version."""
+    root = cache_dir() / "artifacts"
+    root.mkdir(parents=True, exist_ok=True)
+    dest = root / _artifacts_key(runfile_mode)
+    description = dest.with_suffix(".json")
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not description.exists():
+            description.write_text(json.dumps(_describe(build_artifacts(dest, runfile_mode=runfile_mode))))
+    return _artifact_set(json.loads(description.read_text()))
+
+
+def _describe(artifacts: ArtifactSet) -> dict:
+    return {"root": str(artifacts.root), "runfile": str(artifacts.runfile),
+            "runfile_info": asdict(artifacts.runfile_info), "md5sum": str(artifacts.md5sum),
+            "indexes": {k: str(v) for k, v in artifacts.indexes.items()},
+            "wheels": {k: str(v) for k, v in artifacts.wheels.items()},
+            "broken_indexes": {k: str(v) for k, v in artifacts.broken_indexes.items()}}
+
+
+def _artifact_set(described: dict) -> ArtifactSet:
+    paths = lambda table: {key: Path(value) for key, value in table.items()}  # noqa: E731
+    return ArtifactSet(Path(described["root"]), Path(described["runfile"]),
+                       RunfileInfo(**described["runfile_info"]), Path(described["md5sum"]),
+                       paths(described["indexes"]), paths(described["wheels"]),
+                       paths(described["broken_indexes"]))
+
+
+def sandbox_manifest(path: Path, artifacts: ArtifactSet) -> Path:
+    """Write the hosts' copy of the manifest: the stand-in runfile's size and checksums in place."""
+    real = load_manifest().runfiles["x86_64"]
+    info = artifacts.runfile_info
+    text = DEFAULT_MANIFEST.read_text()
+    for old, new in ((str(real.size), str(info.size)), (real.md5, info.md5), (real.sha256, info.sha256)):
+        if text.count(old) != 1:
+            raise RuntimeError(f"cannot place the stand-in runfile's value: {old!r} is not unique in the manifest")
+        text = text.replace(old, new)
+    header = ("# SANDBOX COPY of files/stack.toml, written by servestack.sandbox.lab: identical but for the\n"
+              "# x86_64 runfile's size and checksums, which are those of the STAND-IN runfile.\n")
+    path.write_text(header + text)
+    return path
+
+
+class Lab:
+    """Dressed sandbox hosts plus their artifact server (see the module docstring)."""
+
+    def __init__(self, name: str = "default", *, state_dir: Path | None = None, rootfs: Path | None = None):
+        self.sandbox = Sandbox(name, state_dir=state_dir, rootfs=rootfs)
+        self.artifacts: ArtifactSet | None = None
+        self.gpu: Gpu | None = None
+
+    @property
+    def state_dir(self) -> Path:
+        return self.sandbox.state_dir
+
+    @property
+    def inventory_path(self) -> Path:
+        return self.sandbox.inventory_path
+
+    @property
+    def hosts(self):
+        return self.sandbox.hosts
+
+    def up(self, hosts: int, *, gpu: Gpu | None = None, user: str = "root", runfile_mode: str = "normal",
+           dress: bool = True, host_data: dict | None = None) -> Path:
+        """Boot the lab; return the path of its pyinfra inventory."""
+        self.gpu = gpu or gpu_spec()
+        self.artifacts = cached_artifacts(runfile_mode)
+        pre_boot = (lambda host, root: dress_gpu_host(root, gpu=self.gpu)) if dress else None
+        self.sandbox.up(hosts, pre_boot=pre_boot)
+        try:
+            self._start_server()
+            manifest = sandbox_manifest(self.state_dir / "stack.toml", self.artifacts)
+            self.sandbox.write_inventory(lambda host: self.host_data(host, manifest, host_data or {}), user)
+        except BaseException:
+            self.down()
+            raise
+        return self.inventory_path
+
+    def host_data(self, host, manifest: Path, extra: dict) -> dict:
+        """Host data pointing `host` at the lab's artifact server and stand-in GPU."""
+        base_url = f"http://{host.controller_address}:{ARTIFACT_PORT}"
+        tp = load_manifest().service["tp"]
+        return {
+            **self.artifacts.host_data(base_url),
+            "servestack_manifest": str(manifest),
+            "gpu_count": self.gpu.count,
+            "gpu_compute_capability": self.gpu.compute_cap,
+            "service_tp": tp if self.gpu.count % tp == 0 else self.gpu.count,
+            **extra,
+        }
+
+    def server_url(self, host) -> str:
+        return f"http://{host.controller_address}:{ARTIFACT_PORT}"
+
+    def _start_server(self) -> None:
+        argv = [sys.executable, "-m", "servestack.sandbox.artifacts", "--root", str(self.artifacts.root),
+                "--bind", "0.0.0.0", "--port", str(ARTIFACT_PORT), "--log", str(self.state_dir / SERVER_LOG)]
+        server = subprocess.Popen(self.sandbox.controller_cmd(argv), cwd=PROJECT_ROOT, start_new_session=True,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+        (self.state_dir / SERVER_PID_FILE).write_text(f"{server.pid}\n")
+        if "serving" not in (server.stdout.readline() or ""):
+            raise RuntimeError("the artifact server did not start")
+
+    def _stop_server(self) -> None:
+        pid_file = self.state_dir / SERVER_PID_FILE
+        if not pid_file.exists():
+            return
+        pid = int(pid_file.read_text())
+        try:
+            os.killpg(pid, signal.SIGTERM)
+            for _ in range(50):
+                os.killpg(pid, 0)
+                time.sleep(0.1)
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        pid_file.unlink()
+
+    def down(self) -> None:
+        """Stop the artifact server, then remove the hosts and everything the sandbox created."""
+        if self.state_dir.exists():
+            self._stop_server()
+        self.sandbox.down()
+
+    def controller_argv(self, argv: list[str]) -> list[str]:
+        """`argv` wrapped to run in the controller namespace, where the hosts are reachable."""
+        return self.sandbox.controller_cmd(argv)
+
+    def run_in_controller(self, argv: list[str]) -> int:
+        if not argv:
+            argv = [os.environ.get("SHELL", "/bin/bash")]
+        return subprocess.call(self.controller_argv(argv))
+
+    def exec(self, host, cmd, **kwargs) -> subprocess.CompletedProcess:
+        return self.sandbox.exec(host, cmd, **kwargs)
+
+    def exec_interactive(self, host: str, argv: list[str]) -> int:
+        ssh = self.sandbox.ssh_argv(host, argv or "exec bash -l")
+        return subprocess.call(ssh[:ssh.index("ssh") + 1] + ["-t"] + ssh[ssh.index("ssh") + 1:])
+
+    def fingerprint(self, host) -> str:
+        """A hash of every path, size, mtime and link target under the paths a deploy may touch."""
+        listing = (f"find {' '.join(FINGERPRINT_PATHS)} -xdev -printf '%p %s %T@ %l %m\\n' 2>/dev/null"
+                   " | sort | sha256sum; systemctl list-units --all --no-legend --plain | sha256sum")
+        return self.sandbox.exec(host, listing, check=True).stdout
+
+    def fingerprints(self) -> dict[str, str]:
+        return {host.name: self.fingerprint(host) for host in self.hosts}
+
+    def artifact_requests(self, status: int | None = None) -> dict[str, int]:
+        """Requests per path the artifact server answered (with `status`, only those)."""
+        query = "" if status is None else f"?status={status}"
+        argv = [sys.executable, "-c", "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen("
+                f"'http://127.0.0.1:{ARTIFACT_PORT}/__control/counts{query}').read().decode())"]
+        result = subprocess.run(self.controller_argv(argv), capture_output=True, text=True, check=True)
+        return json.loads(result.stdout)
+
+    def print_status(self) -> None:
+        table = Table(title=f"sandbox {self.sandbox.name}")
+        for column in ("host", "address", "reaches controller at"):
+            table.add_column(column)
+        for host in self.hosts:
+            table.add_row(host.name, host.address, host.controller_address)
+        console = Console()
+        console.print(table)
+        console.print(f"inventory: {self.inventory_path}")
+        console.print("run pyinfra or pytest against it in the controller namespace: "
+                      f"servestack sandbox run -- .venv/bin/pyinfra {self.inventory_path} deploy.py --dry --diff")

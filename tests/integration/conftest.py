@@ -1,0 +1,121 @@
+"""Shared fixtures for integration tests: throwaway sandbox hosts reached over SSH.
+
+`sandbox` is a session-scoped factory. Call it to get a Sandbox that is up::
+
+    def test_something(sandbox):
+        sb = sandbox(2, pre_boot=install_stand_ins)
+        sb.exec(sb.hosts[0], "systemctl is-system-running", check=True)
+
+Every sandbox it made is torn down when the session ends (whatever the
+outcome); use the returned Sandbox as a context manager to tear it down
+earlier. The rootfs is built (or taken from the cache) once per session.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from servestack.sandbox import Sandbox, ensure_rootfs
+from servestack.sandbox.hosts import PostBoot, PreBoot
+
+REQUIRED_TOOLS = ("debootstrap", "systemd-nspawn", "unshare", "ip", "ssh", "ssh-keygen", "zstd")
+
+SandboxFactory = Callable[..., Sandbox]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the `integration` marker."""
+    config.addinivalue_line("markers", "integration: boots sandbox hosts (needs root and systemd-nspawn)")
+
+
+def sandbox_unavailable() -> str | None:
+    """Why sandbox hosts cannot run here, or None if they can."""
+    if os.geteuid() != 0:
+        return "sandbox hosts need root"
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"sandbox hosts need {', '.join(missing)}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def sandbox_rootfs() -> Path:
+    """The pristine rootfs, built on first use and cached across sessions."""
+    reason = sandbox_unavailable()
+    if reason:
+        pytest.skip(reason)
+    return ensure_rootfs()
+
+
+@pytest.fixture(scope="session")
+def sandbox_name() -> Callable[[str], str]:
+    """Make sandbox names unique to this pytest process, so parallel runs never clash."""
+    counter = itertools.count(1)
+
+    def name(prefix: str = "t") -> str:
+        return f"{prefix}{os.getpid()}-{next(counter)}"
+
+    return name
+
+
+@pytest.fixture(scope="session")
+def sandbox(sandbox_rootfs: Path, sandbox_name: Callable[[str], str]) -> Iterator[SandboxFactory]:
+    """Factory `sandbox(n=1, *, pre_boot=None, post_boot=None) -> Sandbox` (already up)."""
+    made: list[Sandbox] = []
+
+    def make(n: int = 1, *, pre_boot: PreBoot | None = None, post_boot: PostBoot | None = None) -> Sandbox:
+        sb = Sandbox(sandbox_name("t"), rootfs=sandbox_rootfs)
+        made.append(sb)
+        sb.up(n, pre_boot=pre_boot, post_boot=post_boot)
+        return sb
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for sb in made:
+            try:
+                sb.down()
+            except Exception as error:  # keep tearing down the others
+                errors.append(f"{sb.name}: {error}")
+        if errors:
+            raise RuntimeError("sandbox teardown failed: " + "; ".join(errors))
+
+
+LabFactory = Callable[..., "Lab"]
+
+
+@pytest.fixture(scope="session")
+def lab(sandbox_rootfs: Path, sandbox_name: Callable[[str], str]) -> Iterator[LabFactory]:
+    """Factory `lab(n=1, **Lab.up kwargs) -> Lab`: dressed GPU-host stand-ins + artifact server, up.
+
+    `lab.inventory_path` is a pyinfra inventory for them; run pyinfra in the controller
+    namespace (`lab.controller_argv(argv)`, or the `run_pyinfra` helper in tests/integration/pyinfra_run.py).
+    """
+    from servestack.sandbox.lab import Lab
+
+    made: list[Lab] = []
+
+    def make(n: int = 1, **kwargs) -> Lab:
+        the_lab = Lab(sandbox_name("l"), rootfs=sandbox_rootfs)
+        made.append(the_lab)
+        the_lab.up(n, **kwargs)
+        return the_lab
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for the_lab in made:
+            try:
+                the_lab.down()
+            except Exception as error:  # keep tearing down the others
+                errors.append(f"{the_lab.sandbox.name}: {error}")
+        if errors:
+            raise RuntimeError("lab teardown failed: " + "; ".join(errors))

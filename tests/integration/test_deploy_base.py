@@ -1,0 +1,27 @@
+"""The deploy as users run it, on dressed sandbox hosts: dry run changes nothing; converge is idempotent."""
+
+import pytest
+
+from pyinfra_run import apply, dry_run, run_pyinfra
+
+pytestmark = pytest.mark.integration
+
+
+def test_empty_deploy_dry_run_then_converges_twice_with_zero_changes_the_second_time(lab):
+    the_lab = lab(2)
+    before = the_lab.fingerprints()
+    dry = dry_run(the_lab, "operations.base.servestack_base")
+    assert the_lab.fingerprints() == before, "a dry run changed a host"
+    assert "servestack state directory" in dry.output
+    first = apply(the_lab, "operations.base.servestack_base")
+    assert first.totals["success"] >= 1
+    second = apply(the_lab, "operations.base.servestack_base")
+    assert second.totals["success"] == 0 and second.totals["error"] == 0
+
+
+def test_bad_host_data_is_refused_before_connecting(lab):
+    the_lab = lab(1)
+    run = run_pyinfra(the_lab, "--data", "gpu_count=3", "--dry")
+    assert run.returncode != 0
+    assert "host h1: 'service_tp': expected a tensor-parallel size that divides gpu_count=3, got 8" in run.output
+    assert "Connecting to hosts" not in run.output

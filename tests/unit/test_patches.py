@@ -1,0 +1,447 @@
+"""SGLang source patches: the patch files against the real wheels, the engine's states, the
+behavioural checks, and the fact/operation pipeline run against throwaway venvs.
+
+The sglang 0.5.9 and 0.5.10 wheels are downloaded once into the sandbox cache
+(SERVESTACK_SANDBOX_CACHE, default /var/cache/servestack/sandbox) under wheels/. Only the
+patched modules and the dist-info are extracted. Hosts are stood in for by temp venvs
+(`python -m venv --without-pip`) holding those files: importlib.metadata in the venv's python
+sees sglang at that version, exactly as on a host. Nothing outside tmp_path is modified.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import json
+import logging
+import re
+import shutil
+import subprocess
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+from pyinfra.api import Config, Inventory, OperationError, State, StringCommand
+from pyinfra.api.connect import connect_all
+from pyinfra.api.deploy import add_deploy
+from pyinfra.api.operation import add_op
+from pyinfra.api.operations import run_ops
+from pyinfra.connectors.fake import FakeConnector
+from pyinfra.connectors.util import CommandOutput, OutputLine, make_unix_command
+
+from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, remote_command
+from operations.patches import patches as patches_deploy
+from operations.patches import sglang_patches
+from servestack import patchlib
+from servestack.sandbox.rootfs import cache_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+SET = load_patch_sets("sglang")["0.5.9"]
+PATCHES = [tuple(p) for p in SET["patches"]]
+CHECKS = patchlib.load_checks(SET["checks"], "sglang_0_5_9_checks")
+SM120, KIMI = (name for name, _ in PATCHES)
+TARGETS = sorted({s.path for _, text in PATCHES for s in patchlib.parse_patch(text)})
+ALL_REDUCE_UTILS = "sglang/srt/distributed/device_communicators/all_reduce_utils.py"
+TORCH_SYMM_MEM = "sglang/srt/distributed/device_communicators/torch_symm_mem.py"
+KIMI_K25 = "sglang/srt/models/kimi_k25.py"
+
+
+# --- fixtures ------------------------------------------------------------------------
+
+
+def sglang_wheel(version: str) -> Path:
+    """The real sglang wheel, downloaded once into the sandbox cache."""
+    wheels = cache_dir() / "wheels"
+    wheel = wheels / f"sglang-{version}-py3-none-any.whl"
+    if not wheel.is_file():
+        # servestack.sh puts pip in .tools/ (it installs uv with it); else the system's pip.
+        tools_pip = ROOT / ".tools" / "bin" / "pip"
+        pip = str(tools_pip) if tools_pip.is_file() else shutil.which("pip3") or shutil.which("pip")
+        assert pip, f"no pip to download {wheel.name}; put it in {wheels}"
+        wheels.mkdir(parents=True, exist_ok=True)
+        subprocess.run([pip, "download", "--no-deps", f"sglang=={version}", "-d", str(wheels)],
+                       check=True, capture_output=True)
+    return wheel
+
+
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory):
+    """version -> a directory holding the wheel's patched modules and its dist-info."""
+    trees = {}
+
+    def get(version: str) -> Path:
+        if version not in trees:
+            tree = tmp_path_factory.mktemp(f"sglang-{version}")
+            dist_info = f"sglang-{version}.dist-info/"
+            with zipfile.ZipFile(sglang_wheel(version)) as wheel:
+                for name in TARGETS + [dist_info + "METADATA", dist_info + "RECORD"]:
+                    wheel.extract(name, tree)
+            trees[version] = tree
+        return trees[version]
+
+    return get
+
+
+class Env:
+    """A throwaway venv standing in for a host's release environment."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.python = str(root / "bin" / "python")
+        self.site_packages = Path(
+            subprocess.check_output([self.python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                    text=True).strip()
+        )
+        self.record = root / patchlib.RECORD_NAME
+
+    def file(self, path: str) -> Path:
+        return self.site_packages / path
+
+    def snapshot(self) -> dict:
+        return {p: p.read_bytes() for p in sorted(self.root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def make_env(tmp_path, pristine):
+    """make_env(version or None) -> Env with that sglang (None: no sglang installed)."""
+    counter = itertools.count()
+
+    def make(version: str | None) -> Env:
+        root = tmp_path / f"env{next(counter)}"
+        venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+        env = Env(root)
+        if version:
+            shutil.copytree(pristine(version), env.site_packages, dirs_exist_ok=True)
+        return env
+
+    return make
+
+
+def sh(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+
+
+def fact_output(env: Env) -> dict:
+    """Run the fact's command against env and process its output, as pyinfra would."""
+    fact = PatchStates()
+    result = sh(fact.command(python=env.python))
+    assert result.returncode == 0, result.stderr
+    return fact.process(result.stdout.splitlines())
+
+
+def states(results) -> dict:
+    return {r.name: r.state for r in results}
+
+
+def patched_sources(version_tree: Path) -> dict:
+    """path -> text of every target after applying the whole set in memory."""
+    results = patchlib.evaluate_set(version_tree, PATCHES, CHECKS)
+    return {f.path: f.after for r in results for f in r.files}
+
+
+# --- the patch files against the real wheels -----------------------------------------
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PATCHES])
+def test_each_patch_applies_cleanly_to_sglang_0_5_9_and_compiles(name, make_env):
+    text = dict(PATCHES)[name]
+    assert text.startswith("From ") and "\nSubject: [PATCH" in text
+    env = make_env("0.5.9")
+
+    [result] = patchlib.evaluate_set(env.site_packages, [(name, text)], CHECKS)
+    assert (result.state, result.check) == ("applicable", "ok")
+    if shutil.which("patch"):  # second opinion only; the engine is the authority
+        dry = subprocess.run(["patch", "-p1", "--dry-run", "-d", str(env.site_packages)], input=text,
+                             capture_output=True, text=True)
+        assert dry.returncode == 0 and "fuzz" not in dry.stdout and "offset" not in dry.stdout, dry.stdout
+
+    patchlib.apply_set(env.site_packages, [(name, text)], CHECKS, "sglang", "0.5.9", env.record)
+    for f in result.files:
+        cache = env.file(f.path).parent / "__pycache__"
+        assert list(cache.glob(Path(f.path).stem + ".*.pyc"))
+
+
+def test_record_hashes_match_the_wheel_and_the_patched_files(make_env):
+    env = make_env("0.5.9")
+    patchlib.apply_set(env.site_packages, PATCHES, CHECKS, "sglang", "0.5.9", env.record)
+
+    wheel_record = (env.site_packages / "sglang-0.5.9.dist-info" / "RECORD").read_text().splitlines()
+    wheel_sha = {line.split(",")[0]: line.split(",")[1].removeprefix("sha256=") for line in wheel_record}
+    record = json.loads(env.record.read_text())
+    assert (record["package"], record["version"]) == ("sglang", "0.5.9")
+    for entry, (name, _) in zip(record["patches"], PATCHES):
+        assert entry["name"] == name and entry["state"] == "applied"
+        assert entry["sha256"] == hashlib.sha256((PATCH_ROOT / "sglang/0.5.9" / f"{name}.patch").read_bytes()).hexdigest()
+        for f in entry["files"]:
+            before = base64.urlsafe_b64encode(bytes.fromhex(f["sha256_before"])).rstrip(b"=").decode()
+            assert before == wheel_sha[f["path"]]
+            assert f["sha256"] == hashlib.sha256(env.file(f["path"]).read_bytes()).hexdigest()
+
+
+# --- engine states -------------------------------------------------------------------
+
+
+def test_pristine_is_applicable_then_applied_and_a_second_apply_changes_nothing(make_env):
+    env = make_env("0.5.9")
+    before = patchlib.evaluate_set(env.site_packages, PATCHES, CHECKS)
+    assert states(before) == {SM120: "applicable", KIMI: "applicable"}
+    assert "+    12: {" in before[0].diff() and "+    def set_embed_and_head" in before[1].diff()
+
+    patchlib.apply_set(env.site_packages, PATCHES, CHECKS, "sglang", "0.5.9", env.record)
+    after = patchlib.evaluate_set(env.site_packages, PATCHES, CHECKS)
+    assert states(after) == {SM120: "applied", KIMI: "applied"}
+    assert all(r.check == "ok" for r in after)
+    expected = patchlib.make_record("sglang", "0.5.9", after)
+    assert patchlib.record_status(env.record, expected) == "current"
+
+    snapshot = env.snapshot()
+    patchlib.apply_set(env.site_packages, PATCHES, CHECKS, "sglang", "0.5.9", env.record)
+    assert {p: b for p, b in env.snapshot().items() if p.suffix != ".pyc"} == {
+        p: b for p, b in snapshot.items() if p.suffix != ".pyc"
+    }
+
+
+def test_sglang_0_5_10_has_the_kimi_change_upstream_but_still_needs_sm120(pristine):
+    tree = pristine("0.5.10")
+    results = patchlib.evaluate_set(tree, PATCHES, CHECKS)
+    assert states(results) == {SM120: "applicable", KIMI: "upstream"}
+    assert all(r.check == "ok" for r in results)  # 0.5.10's own Kimi methods pass the Kimi check
+
+    if shutil.which("patch"):  # why the engine does not trust GNU patch: fuzz would add them twice
+        dry = subprocess.run(["patch", "-p1", "--dry-run", "-d", str(tree)], input=dict(PATCHES)[KIMI],
+                             capture_output=True, text=True)
+        assert dry.returncode == 0 and "fuzz" in dry.stdout
+
+
+def test_a_changed_target_refuses_the_whole_set_and_modifies_nothing(make_env):
+    env = make_env("0.5.9")
+    target = env.file(TORCH_SYMM_MEM)
+    target.write_text(target.read_text().replace("if self.device_capability < 9:", "if self.device_capability < 8:"))
+    snapshot = env.snapshot()
+
+    results = patchlib.evaluate_set(env.site_packages, PATCHES, CHECKS)
+    assert states(results) == {SM120: "conflict", KIMI: "applicable"}
+    conflict = results[0].conflict
+    assert (conflict["path"], conflict["hunk"], conflict["header"]) == (
+        TORCH_SYMM_MEM, 1, "@@ -71,7 +71,7 @@ class TorchSymmMemCommunicator:")
+    assert "line 74" in conflict["reason"] and "< 8" in conflict["reason"]
+
+    with pytest.raises(patchlib.PatchError, match=rf"{SM120}: conflict in {TORCH_SYMM_MEM} hunk #1 \(@@ -71,7"):
+        patchlib.apply_set(env.site_packages, PATCHES, CHECKS, "sglang", "0.5.9", env.record)
+    assert env.snapshot() == snapshot
+
+
+def test_a_partially_applied_patch_is_a_conflict(make_env):
+    env = make_env("0.5.9")
+    [sm120] = patchlib.evaluate_set(env.site_packages, PATCHES[:1], CHECKS)
+    symm = next(f for f in sm120.files if f.path == TORCH_SYMM_MEM)
+    first_hunk_only = symm.before.replace("if self.device_capability < 9:",
+                                          "if self.device_capability not in TORCH_SYMM_MEM_ALL_REDUCE_MAX_SIZES:")
+    env.file(TORCH_SYMM_MEM).write_text(first_hunk_only)
+
+    [result] = patchlib.evaluate_set(env.site_packages, PATCHES[:1], CHECKS)
+    assert result.state == "conflict"
+    assert (result.conflict["path"], result.conflict["hunk"]) == (TORCH_SYMM_MEM, 2)
+    assert "partially applied: hunk #1 is present, hunk #2 is not" in result.conflict["reason"]
+
+    env.file(TORCH_SYMM_MEM).write_text(symm.after)  # this file patched, all_reduce_utils not
+    [result] = patchlib.evaluate_set(env.site_packages, PATCHES[:1], CHECKS)
+    assert (result.state, result.conflict["path"], result.conflict["hunk"]) == ("conflict", ALL_REDUCE_UTILS, 1)
+
+
+def test_a_missing_target_is_a_conflict(make_env):
+    env = make_env("0.5.9")
+    env.file(KIMI_K25).unlink()
+    results = patchlib.evaluate_set(env.site_packages, PATCHES, CHECKS)
+    assert results[1].conflict == {"path": KIMI_K25, "hunk": None, "header": None, "reason": "file not found"}
+    assert "conflict in sglang/srt/models/kimi_k25.py: file not found" in patchlib.refusal(
+        [r.as_dict() for r in results])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("no diff here\n", "no '--- '/'+++ ' file section"),
+    ("--- /dev/null\n+++ b/x.py\n@@ -0,0 +1 @@\n+x\n", "creating or deleting files"),
+    ("--- a/../x.py\n+++ b/../x.py\n@@ -1 +1 @@\n-a\n+b\n", "inside site-packages"),
+    ("--- a/x.py\n+++ b/x.py\n@@ -1,2 +1,2 @@\n-a\n+b\n", "truncated"),
+    ("--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a\n\\ No newline at end of file\n+b\n", "unsupported line"),
+    ("--- a/x.py\n+++ b/x.py\n@@ -1,0 +2 @@\n+b\n", "no context lines"),
+])
+def test_malformed_or_unsupported_patches_are_refused(text, message):
+    with pytest.raises(patchlib.PatchFormatError, match=re.escape(message)):
+        patchlib.parse_patch(text)
+
+
+def test_a_failed_rename_restores_every_file(tmp_path, monkeypatch):
+    files = {tmp_path / name: name.encode() for name in ("a", "b", "c")}
+    for path, data in files.items():
+        path.write_bytes(data)
+    real_replace, calls = patchlib.os.replace, []
+
+    def flaky_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(patchlib.os, "replace", flaky_replace)
+    with pytest.raises(OSError, match="disk full"):
+        patchlib.replace_all({path: b"new " + data for path, data in files.items()})
+    monkeypatch.undo()
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == files  # restored, no temp left
+
+
+# --- behavioural checks --------------------------------------------------------------
+
+
+def test_sm120_check_passes_on_the_patched_sources_only(pristine):
+    tree = pristine("0.5.9")
+    patched = patched_sources(tree)
+    CHECKS[SM120](patched)
+
+    original = {path: (tree / path).read_text() for path in TARGETS}
+    with pytest.raises(Exception, match="no entry for capability 12"):
+        CHECKS[SM120](original)
+    with pytest.raises(KeyError):  # the new table alone: an unknown capability still raises
+        CHECKS[SM120]({**patched, TORCH_SYMM_MEM: original[TORCH_SYMM_MEM]})
+
+
+def test_kimi_check_passes_on_the_patched_sources_and_on_0_5_10(pristine):
+    CHECKS[KIMI](patched_sources(pristine("0.5.9")))
+    CHECKS[KIMI]({KIMI_K25: (pristine("0.5.10") / KIMI_K25).read_text()})
+    with pytest.raises(Exception, match="has no get_embed_and_head"):
+        CHECKS[KIMI]({KIMI_K25: (pristine("0.5.9") / KIMI_K25).read_text()})
+
+
+# --- the fact and the operation ------------------------------------------------------
+
+
+def test_fact_reports_each_patch_and_the_record(make_env):
+    env = make_env("0.5.9")
+    status = fact_output(env)
+    assert status["installed"] and status["version"] == status["patch_set"] == "0.5.9"
+    assert Path(status["site_packages"]) == env.site_packages.resolve()
+    assert [(p["name"], p["state"], p["check"]) for p in status["patches"]] == [
+        (SM120, "applicable", "ok"), (KIMI, "applicable", "ok")]
+    assert (status["record_path"], status["record"]) == (str(env.record), "missing")
+
+
+def test_fact_without_sglang_or_without_python(make_env, tmp_path):
+    env = make_env(None)
+    assert fact_output(env) == {"python": env.python, "package": "sglang", "installed": False}
+
+    fact = PatchStates()
+    absent = sh(fact.command(python=str(tmp_path / "nowhere/bin/python")))
+    assert absent.returncode == 0
+    assert fact.process(absent.stdout.splitlines())["python_missing"] is True
+
+
+def test_fact_command_survives_pyinfra_shell_wrapping(make_env):
+    env = make_env("0.5.9")
+    command = StringCommand(PatchStates().command(python=env.python))
+    wrapped = make_unix_command(command, _shell_executable="sh").get_raw_value()  # as sent over SSH
+    result = subprocess.run(["bash", "-c", wrapped], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert [p["state"] for p in json.loads(result.stdout)["patches"]] == ["applicable", "applicable"]
+
+
+def test_remote_command_stays_small():
+    # sshd hands the command to the login shell as one argument: Linux caps that at 128 KiB.
+    assert len(remote_command("/opt/ml-env/bin/python", "apply", "sglang", None, PATCH_ROOT)) < 64 * 1024
+
+
+def make_state(data: dict, diff: bool = False) -> State:
+    inventory = Inventory((["@fake/gpu1"], {"fake_delay": 0, "fake_delay_jitter": 0, **data}))
+    state = State(inventory, Config(DIFF=diff))
+    state.print_noop_info = True
+    connect_all(state)
+    return state
+
+
+@pytest.fixture
+def run_locally(monkeypatch, tmp_path):
+    """The @fake connector, but servestack's patch commands aimed at tmp_path really run."""
+    fake_lookup = FakeConnector._lookup_response
+
+    def lookup(self, command):
+        if "# servestack patches:" not in command or str(tmp_path) not in command:
+            return fake_lookup(self, command)
+        result = sh(command)
+        lines = [OutputLine("stdout", line) for line in result.stdout.splitlines()]
+        lines += [OutputLine("stderr", line) for line in result.stderr.splitlines()]
+        return result.returncode == 0, CommandOutput(lines)
+
+    monkeypatch.setattr(FakeConnector, "_lookup_response", lookup)
+
+
+def host_ops(state: State):
+    host = state.inventory.get_host("@fake/gpu1")
+    return host, state.get_meta_for_host(host)
+
+
+def test_operation_applies_once_then_is_a_noop(make_env, run_locally, caplog):
+    env = make_env("0.5.9")
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+
+    state = make_state({}, diff=True)
+    add_op(state, sglang_patches, python=env.python, record_path=str(env.record))
+    _, meta = host_ops(state)
+    assert meta.ops_change == 1 and not env.record.exists()  # prepare changed nothing
+    assert "+    12: {" in caplog.text and "+    def get_embed_and_head" in caplog.text
+
+    run_ops(state)
+    assert fact_output(env)["record"] == "current"
+    assert [p["state"] for p in fact_output(env)["patches"]] == ["applied", "applied"]
+    assert json.loads(env.record.read_text())["patches"][0]["name"] == SM120
+
+    caplog.clear()
+    again = make_state({})
+    add_op(again, sglang_patches, python=env.python, record_path=str(env.record))
+    _, meta = host_ops(again)
+    assert (meta.ops_change, meta.ops_no_change) == (0, 1)
+    assert f"noop: sglang 0.5.9 patches: all in place ({SM120} applied, {KIMI} applied)" in caplog.text
+
+
+def test_operation_refuses_a_conflict_before_changing_anything(make_env, run_locally):
+    env = make_env("0.5.9")
+    target = env.file(KIMI_K25)
+    target.write_text(target.read_text().replace("self.language_model.load_weights(language_weights)",
+                                                 "self.language_model.load_weights(list(language_weights))"))
+    snapshot = env.snapshot()
+    with pytest.raises(OperationError, match=rf"refused, no file changed: {KIMI}: conflict in {KIMI_K25} hunk #1 "):
+        add_op(make_state({}), sglang_patches, python=env.python)
+    assert env.snapshot() == snapshot
+
+
+def test_operation_on_0_5_10_has_no_set_and_says_so(make_env, run_locally, caplog):
+    env = make_env("0.5.10")
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    state = make_state({})
+    add_op(state, sglang_patches, python=env.python)
+    assert host_ops(state)[1].ops_change == 0
+    assert "no patch set for sglang 0.5.10, nothing to apply" in caplog.text
+
+
+def test_operation_without_sglang_waits_for_execute_then_fails(make_env, run_locally, caplog):
+    env = make_env(None)
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    state = make_state({})
+    add_op(state, sglang_patches, python=env.python)
+    assert "sglang is not installed" in caplog.text and host_ops(state)[1].ops_change == 0
+    with pytest.raises(OperationError, match="sglang is not installed"):
+        run_ops(state)
+
+
+def test_deploy_patches_the_python_from_host_data(make_env, run_locally):
+    env = make_env("0.5.9")
+    state = make_state({"patches_python": env.python})
+    add_deploy(state, patches_deploy)
+    host, meta = host_ops(state)
+    assert meta.ops_change == 1
+    assert f"if [ -x {env.python} ]" in host.connector.executed_commands[0]
+
+    state = make_state({"fake_responses": {"# servestack patches:": '{"installed": false, "python_missing": true}'}})
+    add_deploy(state, patches_deploy)
+    host, _ = host_ops(state)
+    assert "if [ -x /opt/ml-env/bin/python ]" in host.connector.executed_commands[0]
