@@ -414,11 +414,30 @@ def test_operation_refuses_a_conflict_before_changing_anything(make_env, run_loc
     assert env.snapshot() == snapshot
 
 
-def test_operation_on_0_5_10_has_no_set_and_says_so(make_env, run_locally, caplog):
+def test_operation_on_0_5_10_applies_sm120_and_reports_kimi_upstream(make_env, run_locally, caplog):
     env = make_env("0.5.10")
     caplog.set_level(logging.DEBUG, logger="pyinfra")
     state = make_state({})
-    add_op(state, sglang_patches, python=env.python)
+    add_op(state, sglang_patches, python=env.python, record_path=str(env.record))
+    assert host_ops(state)[1].ops_change == 1
+    run_ops(state)
+    assert [p["state"] for p in fact_output(env)["patches"]] == ["applied", "upstream"]
+
+    caplog.clear()
+    again = make_state({})
+    add_op(again, sglang_patches, python=env.python, record_path=str(env.record))
+    assert host_ops(again)[1].ops_change == 0
+    assert f"sglang 0.5.10 patches: all in place ({SM120} applied, {KIMI} upstream)" in caplog.text
+
+
+def test_operation_on_a_version_without_a_set_says_so(make_env, run_locally, caplog, tmp_path):
+    env = make_env("0.5.10")
+    only_0_5_9 = tmp_path / "patches"
+    (only_0_5_9 / "sglang").mkdir(parents=True)
+    shutil.copytree(PATCH_ROOT / "sglang" / "0.5.9", only_0_5_9 / "sglang" / "0.5.9")
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    state = make_state({})
+    add_op(state, sglang_patches, python=env.python, patch_root=str(only_0_5_9))
     assert host_ops(state)[1].ops_change == 0
     assert "no patch set for sglang 0.5.10, nothing to apply" in caplog.text
 
