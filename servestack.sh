@@ -9,7 +9,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here"
 
-DEBIAN_PACKAGES=(python3 python3-venv debootstrap systemd-container makeself zstd iproute2
+DEBIAN_PACKAGES=(python3 python3-venv python3-pip debootstrap systemd-container makeself zstd iproute2
                  openssh-client patch curl ca-certificates)
 
 missing_debian_packages() {

@@ -1,0 +1,25 @@
+"""Stand-ins for what sandbox hosts cannot have: a GPU and its driver, NVIDIA's CUDA runfile and
+toolkit, and multi-GB CUDA wheels. Every file they produce says in its own text that it is a
+stand-in. They are used only by the sandbox, never by the deploy.
+
+- nvidia_smi: `Gpu`, `render_nvidia_smi(gpu)` -> script text for /usr/bin/nvidia-smi
+- toolkit: `write_toolkit_tree(root, version, nvcc_version)` -> a /usr/local/cuda-X.Y tree
+- runfile: `build_runfile(dest_dir, mode)` -> the makeself installer; `runfile_info`, `write_md5sum`
+- wheels: stand-in wheel builders, `build_wheel`, `broken_wheel`
+- sglang: the real sglang wheel with its Requires-Dist cut down
+- index: `write_simple_index(root, wheels)` -> a PEP 503 index
+- build: `build_artifacts(dest, runfile_mode=...)` -> `ArtifactSet` (everything the server serves)
+- host: `dress_gpu_host(root, gpu=..., with_cuda_128=..., with_ml_env=...)`
+"""
+
+from servestack.sandbox.standins.build import ArtifactSet, build_artifacts
+from servestack.sandbox.standins.host import dress_gpu_host
+from servestack.sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
+from servestack.sandbox.standins.runfile import MODES as RUNFILE_MODES
+from servestack.sandbox.standins.runfile import RunfileInfo, build_runfile, runfile_info, write_md5sum
+from servestack.sandbox.standins.toolkit import write_toolkit_tree
+
+__all__ = [
+    "ArtifactSet", "Gpu", "RUNFILE_MODES", "RunfileInfo", "build_artifacts", "build_runfile",
+    "dress_gpu_host", "render_nvidia_smi", "runfile_info", "write_md5sum", "write_toolkit_tree",
+]

@@ -1,0 +1,233 @@
+"""Stand-in for NVIDIA's `nvidia-smi`, installed at /usr/bin/nvidia-smi on sandbox hosts.
+
+Sandbox hosts have no GPU and no driver. `render_nvidia_smi(gpu)` returns an executable python3
+script that prints, with fixed values, exactly the formats the real tool prints (captured in
+shared/fixtures/h200-ubuntu2404/) for the options the deploy and its tests use:
+
+- `nvidia-smi` (the summary table, one block per GPU),
+- `nvidia-smi -L`,
+- `nvidia-smi --query-gpu=FIELDS --format=csv[,noheader][,nounits]` (unknown field: the real
+  message on stdout and exit 2),
+- `nvidia-smi --version`, and `-i/--id=` to pick GPUs,
+- with `Gpu(driver_loaded=False)`: the real "couldn't communicate with the NVIDIA driver" error, exit 9.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from servestack.sandbox.standins.stack import manifest
+
+RTX_PRO_6000 = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+
+
+def _cuda_major_minor() -> str:
+    major, minor = manifest().cuda["version"].split(".")[:2]
+    return f"{major}.{minor}"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What the stand-in reports: `count` identical GPUs behind one driver.
+
+    Defaults describe the target fleet: 8x RTX PRO 6000 Blackwell (SM120, 97887 MiB) on the
+    manifest's minimum driver, which reports the manifest's CUDA major.minor.
+    """
+
+    name: str = RTX_PRO_6000
+    compute_cap: str = field(default_factory=lambda: manifest().gpu["compute_capability"])
+    count: int = field(default_factory=lambda: manifest().gpu["count"])
+    driver_version: str = field(default_factory=lambda: manifest().cuda["min_driver"])
+    cuda_version: str = field(default_factory=_cuda_major_minor)
+    memory_mib: int = 97887
+    power_cap_w: int = 600
+    power_draw_w: int = 33
+    temperature_c: int = 31
+    perf_state: str = "P8"
+    fan: str = "N/A"
+    persistence: str = "On"
+    ecc: str = "0"
+    mig: str = "Disabled"
+    bus_ids: tuple[str, ...] = ()
+    uuids: tuple[str, ...] = ()
+    driver_loaded: bool = True
+
+    def bus_id(self, index: int) -> str:
+        """PCI bus id of GPU `index`: given, or a deterministic one per index."""
+        if index < len(self.bus_ids):
+            return self.bus_ids[index]
+        return f"00000000:{(0x01 + 0x20 * index) % 0x100:02X}:{index // 8:02X}.0"
+
+    def uuid(self, index: int) -> str:
+        """UUID of GPU `index`: given, or derived from the name and index (stable across renders)."""
+        if index < len(self.uuids):
+            return self.uuids[index]
+        digest = hashlib.md5(f"{self.name}/{index}".encode()).digest()
+        return f"GPU-{uuid.UUID(bytes=digest)}"
+
+
+def render_nvidia_smi(gpu: Gpu | None = None) -> str:
+    """Return the text of the stand-in script (install it mode 0755 at /usr/bin/nvidia-smi)."""
+    gpu = gpu or Gpu()
+    config = asdict(gpu)
+    config["gpus"] = [{"bus_id": gpu.bus_id(i), "uuid": gpu.uuid(i)} for i in range(gpu.count)]
+    return _SCRIPT.replace("@CONFIG@", json.dumps(config, indent=1, sort_keys=True))
+
+
+_SCRIPT = r'''#!/usr/bin/python3
+# STAND-IN for NVIDIA's nvidia-smi (servestack sandbox): no GPU here.
+# Written by servestack.sandbox.standins.nvidia_smi. It talks to no driver: it prints the real
+# output formats with the fixed values below, for: (no options), -L, --version, -i/--id=,
+# --query-gpu=... --format=csv[,noheader][,nounits].
+import json
+import sys
+import time
+
+CONFIG = json.loads(r"""@CONFIG@""")
+
+# query field (and its aliases) -> (header unit, value of GPU i)
+FIELDS = {
+    "index": ("", lambda i: str(i)),
+    "count": ("", lambda i: str(len(CONFIG["gpus"]))),
+    "name": ("", lambda i: CONFIG["name"]),
+    "gpu_name": ("", lambda i: CONFIG["name"]),
+    "compute_cap": ("", lambda i: CONFIG["compute_cap"]),
+    "driver_version": ("", lambda i: CONFIG["driver_version"]),
+    "memory.total": ("MiB", lambda i: str(CONFIG["memory_mib"])),
+    "memory.used": ("MiB", lambda i: "0"),
+    "memory.free": ("MiB", lambda i: str(CONFIG["memory_mib"])),
+    "uuid": ("", lambda i: CONFIG["gpus"][i]["uuid"]),
+    "gpu_uuid": ("", lambda i: CONFIG["gpus"][i]["uuid"]),
+    "pci.bus_id": ("", lambda i: CONFIG["gpus"][i]["bus_id"]),
+    "gpu_bus_id": ("", lambda i: CONFIG["gpus"][i]["bus_id"]),
+}
+RULE = "+-----------------------------------------+------------------------+----------------------+"
+
+
+def fail(message, code):
+    print(message)
+    sys.exit(code)
+
+
+def bad_option(option):
+    fail("ERROR: Option %s is not recognized. Please run 'nvidia-smi -h' for help.\n" % option, 2)
+
+
+def parse(argv):
+    options = {"ids": None, "query": None, "format": None, "list": False, "version": False}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-L", "--list-gpus"):
+            options["list"] = True
+        elif arg == "--version":
+            options["version"] = True
+        elif arg in ("-i", "--id") and args:
+            options["ids"] = args.pop(0)
+        elif arg.startswith("--id="):
+            options["ids"] = arg.split("=", 1)[1]
+        elif arg.startswith("--query-gpu="):
+            options["query"] = arg.split("=", 1)[1]
+        elif arg.startswith("--format="):
+            options["format"] = arg.split("=", 1)[1]
+        else:
+            bad_option(arg)
+    return options
+
+
+def selected(ids):
+    every = range(len(CONFIG["gpus"]))
+    if ids is None:
+        return list(every)
+    chosen = []
+    for token in ids.split(","):
+        if not token.strip().isdigit() or int(token) not in every:
+            fail("No devices were found", 6)
+        chosen.append(int(token))
+    return chosen
+
+
+def query(fields_text, format_text, gpus):
+    fields = [name.strip() for name in fields_text.split(",") if name.strip()]
+    for name in fields:
+        if name not in FIELDS:
+            fail('Field "%s" is not a valid field to query.\n' % name, 2)
+    flags = set((format_text or "").split(","))
+    if "csv" not in flags or not flags <= {"csv", "noheader", "nounits"}:
+        fail("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n", 2)
+    if "noheader" not in flags:
+        headers = []
+        for name in fields:
+            unit = FIELDS[name][0]
+            headers.append("%s [%s]" % (name, unit) if unit else name)
+        print(", ".join(headers))
+    for i in gpus:
+        values = []
+        for name in fields:
+            unit, value = FIELDS[name]
+            values.append(value(i) if not unit or "nounits" in flags else "%s %s" % (value(i), unit))
+        print(", ".join(values))
+
+
+def short_name(name):
+    return name if len(name) <= 27 else name[:24] + "..."
+
+
+def table(gpus):
+    c = CONFIG
+    print(time.asctime() + "       ")
+    print("+" + "-" * 89 + "+")
+    print("| NVIDIA-SMI %-23sDriver Version: %-15sCUDA Version: %-9s|"
+          % (c["driver_version"], c["driver_version"], c["cuda_version"]))
+    print(RULE)
+    print("| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |")
+    print("| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |")
+    print("|                                         |                        |               MIG M. |")
+    print("|=========================================+========================+======================|")
+    for i in gpus:
+        print("|%4d  %-30s%3s  |%19s %3s |%21s |"
+              % (i, short_name(c["name"]), c["persistence"], c["gpus"][i]["bus_id"], "Off", c["ecc"]))
+        print("| %3s%5dC%6s%15dW / %4dW |%8dMiB / %6dMiB |%7d%%%13s |"
+              % (c["fan"], c["temperature_c"], c["perf_state"], c["power_draw_w"], c["power_cap_w"],
+                 0, c["memory_mib"], 0, "Default"))
+        print("|                                         |                        |%21s |" % c["mig"])
+        print(RULE)
+    print("")
+    print("+" + "-" * 89 + "+")
+    print("| Processes:                                                                              |")
+    print("|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |")
+    print("|        ID   ID                                                               Usage      |")
+    print("|" + "=" * 89 + "|")
+    print("|  No running processes found                                                             |")
+    print("+" + "-" * 89 + "+")
+
+
+def main(argv):
+    options = parse(argv)
+    if not CONFIG["driver_loaded"]:
+        fail("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+             "Make sure that the latest NVIDIA driver is installed and running.", 9)
+    if options["version"]:
+        print("NVIDIA-SMI version  : %s" % CONFIG["driver_version"])
+        print("NVML version        : %s" % CONFIG["driver_version"].rsplit(".", 1)[0])
+        print("DRIVER version      : %s" % CONFIG["driver_version"])
+        print("CUDA Version        : %s" % CONFIG["cuda_version"])
+        return
+    gpus = selected(options["ids"])
+    if options["query"] is not None:
+        query(options["query"], options["format"], gpus)
+    elif options["format"] is not None:
+        fail("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n", 2)
+    elif options["list"]:
+        for i in gpus:
+            print("GPU %d: %s (UUID: %s)" % (i, CONFIG["name"], CONFIG["gpus"][i]["uuid"]))
+    else:
+        table(gpus)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+'''

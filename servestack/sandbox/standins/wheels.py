@@ -1,0 +1,300 @@
+"""Stand-in wheels: tiny real wheels with the real names, versions, local labels and tags.
+
+They install with uv or pip like the real ones (zip with dist-info METADATA, WHEEL and RECORD)
+but hold only the few attributes the deploy and its tests read: `torch.__version__`,
+`torch.version.cuda` (from the local label), `torch.cuda.is_available()` (False here),
+`flashinfer.__version__` and flashinfer's import-time version check of flashinfer-cubin and
+flashinfer-jit-cache (the same conditions and messages as flashinfer 0.6.4's
+`flashinfer/jit/env.py`). Every module docstring and METADATA Summary says it is a stand-in.
+`broken_wheel()` derives a deliberately broken copy for failure tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.tags import parse_tag
+from packaging.version import Version
+
+from servestack.sandbox.standins.stack import OLD_CUDA_VERSION, package_version
+
+#: Tags of the real wheels (x86_64, CPython 3.11 where the real ones are per-Python).
+TORCH_TAG = "cp311-cp311-manylinux_2_28_x86_64"
+SGL_KERNEL_TAG = "cp310-abi3-manylinux2014_x86_64"
+JIT_CACHE_TAG = "cp39-abi3-manylinux_2_28_x86_64"
+PURE_TAG = "py3-none-any"
+
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class WheelSpec:
+    """One wheel to build: its distribution name, version, tag, files (path -> text) and requirements."""
+
+    name: str
+    version: str
+    tag: str
+    files: dict[str, str] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+    summary: str = ""
+
+    @property
+    def filename(self) -> str:
+        return f"{normalize_dist(self.name)}-{self.version}-{self.tag}.whl"
+
+    @property
+    def dist_info(self) -> str:
+        return f"{normalize_dist(self.name)}-{self.version}.dist-info"
+
+
+def normalize_dist(name: str) -> str:
+    """A distribution name as wheel file and dist-info names spell it ('flashinfer-python' -> 'flashinfer_python')."""
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def record_hash(data: bytes) -> str:
+    """RECORD's hash notation: sha256=<urlsafe base64, no padding>."""
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def record_text(entries: dict[str, bytes], record_path: str) -> str:
+    """RECORD for `entries` (path -> content), its own line last with no hash."""
+    lines = [f"{path},{record_hash(data)},{len(data)}" for path, data in entries.items()]
+    return "\n".join(lines + [f"{record_path},,"]) + "\n"
+
+
+def write_zip(path: Path, entries: dict[str, bytes]) -> Path:
+    """Write `entries` in order as a deterministic zip (fixed dates and modes)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in entries.items():
+            info = zipfile.ZipInfo(name, _ZIP_DATE)
+            info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, data)
+    return path
+
+
+def _metadata(spec: WheelSpec) -> str:
+    lines = ["Metadata-Version: 2.1", f"Name: {spec.name}", f"Version: {spec.version}",
+             f"Summary: {spec.summary}", "Requires-Python: >=3.10"]
+    lines += [f"Requires-Dist: {requirement}" for requirement in spec.requires]
+    return "\n".join(lines) + "\n\n" + spec.summary + "\n"
+
+
+def _wheel_file(spec: WheelSpec) -> str:
+    tags = sorted(str(tag) for tag in parse_tag(spec.tag))
+    purelib = "true" if spec.tag == PURE_TAG else "false"
+    lines = ["Wheel-Version: 1.0", "Generator: servestack-standins (1.0)", f"Root-Is-Purelib: {purelib}"]
+    return "\n".join(lines + [f"Tag: {tag}" for tag in tags]) + "\n"
+
+
+def build_wheel(spec: WheelSpec, dest_dir: Path) -> Path:
+    """Build `spec` into `dest_dir` (byte-identical on every build); return the wheel's path."""
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    entries = {path: text.encode() for path, text in sorted(spec.files.items())}
+    entries[f"{spec.dist_info}/METADATA"] = _metadata(spec).encode()
+    entries[f"{spec.dist_info}/WHEEL"] = _wheel_file(spec).encode()
+    record = f"{spec.dist_info}/RECORD"
+    entries[record] = record_text(entries, record).encode()
+    return write_zip(dest_dir / spec.filename, entries)
+
+
+def cuda_of(version: str) -> str:
+    """CUDA version a torch-family build targets: from its local label ('+cu130' -> '13.0').
+
+    A version without a label is PyPI's default build, which for torch 2.9.x is CUDA 12.8.
+    """
+    label = Version(version).local
+    match = re.fullmatch(r"cu(\d+)(\d)", label or "")
+    if not match:
+        return ".".join(OLD_CUDA_VERSION.split(".")[:2])
+    return f"{match[1]}.{match[2]}"
+
+
+def _note(name: str, version: str) -> str:
+    return f"STAND-IN for {name} {version} (servestack sandbox): version metadata only, no CUDA code"
+
+
+def torch_wheel(version: str) -> WheelSpec:
+    """torch `version` ('2.9.1+cu130'); torch.version.cuda follows the label; no GPU is ever available."""
+    note = _note("PyTorch", version)
+    files = {
+        "torch/__init__.py": f'"""{note}."""\nfrom torch import cuda, version\n\n__version__ = version.__version__\n',
+        "torch/version.py": (f'"""{note}."""\n__version__ = "{version}"\ndebug = False\n'
+                             f'cuda = "{cuda_of(version)}"\ngit_version = "standin"\nhip = None\nxpu = None\n'),
+        "torch/cuda/__init__.py": _TORCH_CUDA.replace("@NOTE@", note),
+    }
+    return WheelSpec("torch", version, TORCH_TAG, files, (), note)
+
+
+def torch_companion_wheel(name: str, version: str, torch_version: str) -> WheelSpec:
+    """torchvision or torchaudio `version`, requiring torch==`torch_version` like the real ones."""
+    note = _note(name, version)
+    files = {f"{name}/__init__.py": f'"""{note}."""\nfrom {name} import version\n\n__version__ = version.__version__\n',
+             f"{name}/version.py": f'__version__ = "{version}"\ncuda = "{cuda_of(version)}"\n'}
+    return WheelSpec(name, version, TORCH_TAG, files, (f"torch=={torch_version}",), note)
+
+
+def sgl_kernel_wheel(version: str, dist: str = "sgl-kernel") -> WheelSpec:
+    """sgl-kernel (or its successor `dist` 'sglang-kernel'): module sgl_kernel with __version__."""
+    note = _note(dist, version)
+    files = {"sgl_kernel/__init__.py": f'"""{note}."""\n__version__ = "{Version(version).public}"\n'}
+    return WheelSpec(dist, version, SGL_KERNEL_TAG, files, (), note)
+
+
+def flashinfer_python_wheel(version: str) -> WheelSpec:
+    """flashinfer-python `version` with the real import-time version check of its companions."""
+    note = _note("flashinfer-python", version)
+    files = {
+        "flashinfer/__init__.py": (f'"""{note}."""\nfrom .version import __version__ as __version__\n'
+                                   "from . import jit as jit\n"),
+        "flashinfer/version.py": f'__version__ = "{version}"\n',
+        "flashinfer/jit/__init__.py": "from . import env as env\n",
+        "flashinfer/jit/env.py": _FLASHINFER_ENV.replace("@NOTE@", note),
+    }
+    return WheelSpec("flashinfer-python", version, PURE_TAG, files, ("torch",), note)
+
+
+def flashinfer_cubin_wheel(version: str) -> WheelSpec:
+    """flashinfer-cubin `version`: module flashinfer_cubin with __version__ and get_cubin_dir()."""
+    note = _note("flashinfer-cubin", version)
+    files = {"flashinfer_cubin/__init__.py": _COMPANION.format(note=note, version=version, getter="get_cubin_dir",
+                                                              subdir="cubins")}
+    return WheelSpec("flashinfer-cubin", version, PURE_TAG, files, (), note)
+
+
+def flashinfer_jit_cache_wheel(version: str) -> WheelSpec:
+    """flashinfer-jit-cache `version` ('0.6.4+cu130'): module flashinfer_jit_cache, get_jit_cache_dir()."""
+    note = _note("flashinfer-jit-cache", version)
+    files = {"flashinfer_jit_cache/__init__.py": _COMPANION.format(note=note, version=version,
+                                                                  getter="get_jit_cache_dir", subdir="jit_cache")}
+    return WheelSpec("flashinfer-jit-cache", version, JIT_CACHE_TAG, files, (), note)
+
+
+def metadata_only_wheel(name: str, version: str) -> WheelSpec:
+    """A wheel with no module (e.g. cuda-python, a meta-package upstream)."""
+    return WheelSpec(name, version, PURE_TAG, {}, (), _note(name, version))
+
+
+def standin_wheel(name: str, version: str) -> WheelSpec:
+    """The stand-in of project `name` (any spelling) at `version`; KeyError for projects without one."""
+    torch = Version(package_version("torch")).public
+    builders = {
+        "torch": lambda: torch_wheel(version),
+        "torchvision": lambda: torch_companion_wheel("torchvision", version, torch),
+        "torchaudio": lambda: torch_companion_wheel("torchaudio", version, torch),
+        "sgl-kernel": lambda: sgl_kernel_wheel(version),
+        "sglang-kernel": lambda: sgl_kernel_wheel(version, "sglang-kernel"),
+        "flashinfer-python": lambda: flashinfer_python_wheel(version),
+        "flashinfer-cubin": lambda: flashinfer_cubin_wheel(version),
+        "flashinfer-jit-cache": lambda: flashinfer_jit_cache_wheel(version),
+        "cuda-python": lambda: metadata_only_wheel("cuda-python", version),
+    }
+    return builders[re.sub(r"[-_.]+", "-", name).lower()]()
+
+
+BROKEN_KINDS = ("corrupt_zip", "bad_metadata")
+
+
+def broken_wheel(wheel: Path, dest_dir: Path, kind: str) -> Path:
+    """A broken copy of `wheel` under the same file name in `dest_dir`.
+
+    kind: "corrupt_zip" (the file cut in half: not a zip any more) or "bad_metadata" (METADATA
+    names another version than the file name). Both make `uv pip install` fail. (A wrong RECORD
+    hash does not: uv 0.13.9 installs such a wheel without complaint.)
+    """
+    if kind not in BROKEN_KINDS:
+        raise ValueError(f"broken wheel kind {kind!r}: expected one of {BROKEN_KINDS}")
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    out = dest_dir / Path(wheel).name
+    data = Path(wheel).read_bytes()
+    if kind == "corrupt_zip":
+        out.write_bytes(data[: len(data) // 2])
+        return out
+    with zipfile.ZipFile(wheel) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    metadata = next(name for name in entries if name.endswith(".dist-info/METADATA"))
+    entries[metadata] = re.sub(rb"(?m)^Version: .*$", b"Version: 0.0.0", entries[metadata], count=1)
+    return write_zip(out, entries)
+
+
+_TORCH_CUDA = '''"""@NOTE@."""
+
+
+def is_available():
+    return False
+
+
+def device_count():
+    return 0
+
+
+def _no_driver(*args, **kwargs):
+    raise RuntimeError("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU "
+                       "and installed a driver from http://www.nvidia.com/Download/index.aspx")
+
+
+get_device_capability = get_device_name = current_device = synchronize = _no_driver
+'''
+
+_COMPANION = '''"""{note}."""
+import pathlib
+
+__version__ = "{version}"
+
+
+def {getter}():
+    return pathlib.Path(__file__).parent / "{subdir}"
+'''
+
+# Mirrors flashinfer 0.6.4 flashinfer/jit/env.py: at import (of flashinfer), an installed
+# flashinfer-cubin must have exactly flashinfer's version and an installed flashinfer-jit-cache a
+# version starting with it, unless FLASHINFER_DISABLE_VERSION_CHECK is set; absent ones are fine.
+_FLASHINFER_ENV = '''"""@NOTE@. Version checks as in flashinfer/jit/env.py."""
+import importlib.util
+import os
+import pathlib
+
+from ..version import __version__ as flashinfer_version
+
+_MISMATCH = ("{package} version ({found}) does not match flashinfer version ({version}). "
+             "Please install the same version of both packages. "
+             "Set FLASHINFER_DISABLE_VERSION_CHECK=1 to bypass this check.")
+FLASHINFER_BASE_DIR = pathlib.Path(os.getenv("FLASHINFER_WORKSPACE_BASE", pathlib.Path.home().as_posix()))
+FLASHINFER_CACHE_DIR = FLASHINFER_BASE_DIR / ".cache" / "flashinfer"
+
+
+def _get_cubin_dir():
+    if importlib.util.find_spec("flashinfer_cubin") is not None:
+        import flashinfer_cubin
+
+        if not os.getenv("FLASHINFER_DISABLE_VERSION_CHECK") and flashinfer_version != flashinfer_cubin.__version__:
+            raise RuntimeError(_MISMATCH.format(package="flashinfer-cubin", found=flashinfer_cubin.__version__,
+                                                version=flashinfer_version))
+        return pathlib.Path(flashinfer_cubin.get_cubin_dir())
+    env_dir = os.getenv("FLASHINFER_CUBIN_DIR")
+    return pathlib.Path(env_dir) if env_dir else FLASHINFER_CACHE_DIR / "cubins"
+
+
+def _get_aot_dir():
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        import flashinfer_jit_cache
+
+        found = flashinfer_jit_cache.__version__
+        if not os.getenv("FLASHINFER_DISABLE_VERSION_CHECK") and not found.startswith(flashinfer_version):
+            raise RuntimeError(_MISMATCH.format(package="flashinfer-jit-cache", found=found,
+                                                version=flashinfer_version))
+        return pathlib.Path(flashinfer_jit_cache.get_jit_cache_dir())
+    return pathlib.Path(__file__).resolve().parents[1] / "data" / "aot"
+
+
+FLASHINFER_CUBIN_DIR = _get_cubin_dir()
+FLASHINFER_AOT_DIR = _get_aot_dir()
+'''
