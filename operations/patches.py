@@ -6,11 +6,13 @@ from pyinfra import host, logger
 from pyinfra.api import OperationError, deploy, operation
 from pyinfra.api.output import format_text
 
-from facts.patches import PATCH_ROOT, PatchStates, remote_command
+from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, remote_command
+from operations.venv import planned_release
 from servestack import patchlib
+from servestack.settings import host_settings
 
 PACKAGE = "sglang"
-DEFAULT_PYTHON = "/opt/ml-env/bin/python"
+RECORD_FILE = "patches.json"
 
 
 @operation()
@@ -44,7 +46,7 @@ def sglang_patches(python: str, record_path: str | None = None, patch_root: str 
         what = f"no python at {python}" if status.get("python_missing") else f"{PACKAGE} is not installed in {python}"
         if host.state.is_executing:
             raise OperationError(f"{PACKAGE} patches: {what}")
-        host.noop(f"{PACKAGE} patches: {what} yet; checked again when the deploy runs")
+        yield from _predict_for_unbuilt_release(python, record_path, patch_root, what)
         return
 
     version = status["version"]
@@ -67,6 +69,26 @@ def sglang_patches(python: str, record_path: str | None = None, patch_root: str 
     yield remote_command(python, "apply", PACKAGE, record_path, patch_root)
 
 
+def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what: str):
+    """Prepare-time plan for a release an earlier step builds: it gets the manifest's sglang, pristine.
+
+    The patch files are the diffs that will be applied; when the deploy runs, this operation
+    reads the built release and decides again (applied / applicable / upstream / conflict).
+    """
+    version = host_settings(host).manifest.package(PACKAGE).version
+    patch_set = load_patch_sets(PACKAGE, patch_root).get(version)
+    if patch_set is None:
+        host.noop(f"{PACKAGE} patches: no patch set for {PACKAGE} {version}, nothing to apply")
+        return
+    names = ", ".join(name for name, _ in patch_set["patches"])
+    host.log(f"{PACKAGE} patches: {what} yet (built by an earlier step): will apply {names} "
+             f"for {PACKAGE} {version}", logger.info)
+    if host.state.config.DIFF:
+        _log_diffs([{"name": name, "diff": text} for name, text in patch_set["patches"]],
+                   {"site_packages": f"the new release ({python})"})
+    yield remote_command(python, "apply", PACKAGE, record_path, patch_root)
+
+
 def _summary(patches: list) -> str:
     return ", ".join(f"{p['name']} {p['state']}" for p in patches)
 
@@ -84,12 +106,9 @@ def _log_diffs(pending: list, status: dict) -> None:
 
 
 def release_paths() -> tuple:
-    """(python, record_path) of the release to patch.
-
-    For now from host data (``patches_python``, ``patches_record_path``); to be wired to
-    the venv step's new release.
-    """
-    return host.data.get("patches_python") or DEFAULT_PYTHON, host.data.get("patches_record_path")
+    """(python, record_path) of the release this run leaves active (built by the venv step)."""
+    release = planned_release(host)
+    return release.python, f"{release.dir}/{RECORD_FILE}"
 
 
 @deploy("SGLang patches")

@@ -134,6 +134,12 @@ def string_list(value):
     return tuple(value)
 
 
+def release_name(value):
+    if not isinstance(value, str) or not re.fullmatch(r"r-[0-9a-f]{12}|adopted-\d{8}T\d{6}Z", value):
+        raise Invalid("a release id like 'r-0123456789ab' or 'adopted-20260101T120000Z'")
+    return value
+
+
 def env_names(value):
     names = string_list(value)
     if not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name in names):
@@ -192,16 +198,28 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
         Key("cuda_runfile_url", optional(url), _literal(None), "full URL of the runfile (beats cuda_mirror)"),
         Key("cuda_runfile_path", optional(abs_path), _literal(None),
             "a pre-staged runfile already on the host (verified before use)"),
+        Key("cuda_existing_toolkit", choice("refuse", "accept"), _literal("refuse"),
+            "a toolkit at cuda_install_path that servestack cannot confirm as the manifest's (no "
+            "version.json, or owned by a package) but whose nvcc reports the manifest's nvcc version: "
+            "'refuse' (default) or 'accept' it as installed (never installed over)"),
         Key("cuda_runfile_from", choice("host", "controller"), _literal("host"),
             "'host': each host downloads; 'controller': download once here and upload (air-gapped)"),
         Key("gpu_compute_capability", capability, _from("gpu", "compute_capability"),
             "compute capability every GPU must report"),
         Key("gpu_count", integer(1, 64), _from("gpu", "count"), "number of GPUs the host must have"),
         Key("uv_index_url", url, lambda m: m.uv["index_url"], "index the host's pip installs uv from"),
+        Key("uv_install_dir", abs_path, _literal("/opt/servestack/uv"),
+            "venv on the host holding servestack's uv (<dir>/bin/uv), installed if missing"),
+        Key("uv_cache_dir", optional(abs_path), _literal(None),
+            "uv's cache on the host (default: 'uv-cache' beside venv_releases_dir, for hard links)"),
+        Key("venv_rollback_to", optional(release_name), _literal(None),
+            "release id rollback.py activates (default: the release active before the last deploy)"),
         Key("rollout_batch", integer(1), _literal(1), "hosts restarted at a time"),
         Key("rollout_failure_budget", integer(0), _literal(0), "failed hosts tolerated before stopping"),
         Key("service_env", env_map, _literal({}), "extra environment for the service (e.g. NCCL_P2P_DISABLE)"),
         Key("service_extra_args", string_list, _literal(()), "extra sglang.launch_server arguments"),
+        Key("service_cache_dir", abs_path, _literal("/var/cache/servestack/flashinfer"),
+            "JIT caches of the service (flashinfer, triton, ...): one '<cuda_version>-<release>' dir each"),
         Key("service_secret_env", env_names, _literal(()),
             "names of control-machine environment variables copied into the 0600 secrets file"),
     ]
@@ -312,8 +330,15 @@ def settings_from_data(host_name: str, data: dict) -> Settings:
 _CACHE: "WeakKeyDictionary[Any, Settings]" = WeakKeyDictionary()
 
 
+def real_host(host):
+    """The Host behind pyinfra's `host` context proxy (whose hash and == follow the current host)."""
+    get_module = getattr(type(host), "_get_module", None)
+    return get_module(host) if get_module else host
+
+
 def host_settings(host) -> Settings:
     """The validated settings of a pyinfra host (computed once per host)."""
+    host = real_host(host)
     if host not in _CACHE:
         _CACHE[host] = settings_from_data(host.name, host.data.dict())
     return _CACHE[host]

@@ -36,6 +36,9 @@ ARTIFACT_PORT = 8080
 SERVER_PID_FILE = "artifact-server.pid"
 SERVER_LOG = "artifact-requests.log"
 STANDINS_SOURCE = Path(__file__).resolve().parent / "standins"
+# Where lab hosts keep the stand-in SGLang server the unit starts instead of sglang.launch_server.
+STANDIN_SERVER_DIR = "/opt/servestack-sandbox-standins"
+STANDIN_SERVER_MODULE = "fake_sglang_server"
 
 # Host state that a deploy may touch: a dry run must leave every entry's listing unchanged.
 FINGERPRINT_PATHS = ("/usr/local", "/opt", "/etc", "/var/lib/servestack", "/var/cache/servestack",
@@ -125,7 +128,7 @@ class Lab:
         """Boot the lab; return the path of its pyinfra inventory."""
         self.gpu = gpu or gpu_spec()
         self.artifacts = cached_artifacts(runfile_mode)
-        pre_boot = (lambda host, root: dress_gpu_host(root, gpu=self.gpu)) if dress else None
+        pre_boot = (lambda host, root: self._dress(root)) if dress else None
         self.sandbox.up(hosts, pre_boot=pre_boot)
         try:
             self._start_server()
@@ -135,6 +138,13 @@ class Lab:
             self.down()
             raise
         return self.inventory_path
+
+    def _dress(self, root: Path) -> None:
+        dress_gpu_host(root, gpu=self.gpu)
+        server_dir = root / STANDIN_SERVER_DIR.lstrip("/")
+        server_dir.mkdir(parents=True, exist_ok=True)
+        source = STANDINS_SOURCE / f"{STANDIN_SERVER_MODULE}.py"
+        (server_dir / source.name).write_text(source.read_text())
 
     def host_data(self, host, manifest: Path, extra: dict) -> dict:
         """Host data pointing `host` at the lab's artifact server and stand-in GPU."""
@@ -146,6 +156,9 @@ class Lab:
             "gpu_count": self.gpu.count,
             "gpu_compute_capability": self.gpu.compute_cap,
             "service_tp": tp if self.gpu.count % tp == 0 else self.gpu.count,
+            "service_launch_module": STANDIN_SERVER_MODULE,
+            "service_env": {"PYTHONPATH": STANDIN_SERVER_DIR},
+            "service_health_timeout_s": 120,
             **extra,
         }
 

@@ -21,6 +21,7 @@ import subprocess
 import venv
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pyinfra.api import Config, Inventory, OperationError, State, StringCommand
@@ -442,25 +443,25 @@ def test_operation_on_a_version_without_a_set_says_so(make_env, run_locally, cap
     assert "no patch set for sglang 0.5.10, nothing to apply" in caplog.text
 
 
-def test_operation_without_sglang_waits_for_execute_then_fails(make_env, run_locally, caplog):
+def test_dry_run_of_an_unbuilt_release_predicts_the_set_with_its_diffs_then_fails_if_still_absent(
+        make_env, run_locally, caplog):
     env = make_env(None)
     caplog.set_level(logging.DEBUG, logger="pyinfra")
-    state = make_state({})
+    state = make_state({}, diff=True)
     add_op(state, sglang_patches, python=env.python)
-    assert "sglang is not installed" in caplog.text and host_ops(state)[1].ops_change == 0
+    assert host_ops(state)[1].ops_change == 1
+    assert f"will apply {SM120}, {KIMI} for sglang 0.5.9" in caplog.text
+    assert "+    12: {" in caplog.text and "+    def get_embed_and_head" in caplog.text
     with pytest.raises(OperationError, match="sglang is not installed"):
         run_ops(state)
 
 
-def test_deploy_patches_the_python_from_host_data(make_env, run_locally):
+def test_deploy_patches_the_release_the_venv_step_plans(make_env, run_locally, monkeypatch):
     env = make_env("0.5.9")
-    state = make_state({"patches_python": env.python})
+    release = SimpleNamespace(id="r-0123456789ab", dir=str(env.root / "release"), python=env.python)
+    monkeypatch.setattr("operations.patches.planned_release", lambda host: release)
+    state = make_state({})
     add_deploy(state, patches_deploy)
     host, meta = host_ops(state)
     assert meta.ops_change == 1
     assert f"if [ -x {env.python} ]" in host.connector.executed_commands[0]
-
-    state = make_state({"fake_responses": {"# servestack patches:": '{"installed": false, "python_missing": true}'}})
-    add_deploy(state, patches_deploy)
-    host, _ = host_ops(state)
-    assert "if [ -x /opt/ml-env/bin/python ]" in host.connector.executed_commands[0]

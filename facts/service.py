@@ -1,0 +1,197 @@
+"""What the host says about the SGLang service: the active release, the unit's state, servestack's record.
+
+Every command here succeeds when the thing it looks at is absent (an unknown unit, a missing
+record, a venv path that is not a link yet): absence is a value, not an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+
+from pyinfra.api import FactBase
+
+# Properties read from `systemctl show`; the restart decision and the tests use them.
+UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "UnitFileState",
+                   "NeedDaemonReload", "FragmentPath", "InvocationID")
+
+
+class VenvTarget(FactBase):
+    """
+    Where the stable venv path (`venv_path`, e.g. ``/opt/ml-env``) points.
+
+    Returns ``{"kind": "link", "target": "<resolved path>"}``, ``{"kind": "directory"}`` (a
+    hand-made venv not yet adopted as a release) or ``{"kind": "absent"}``.
+    """
+
+    def command(self, path: str) -> str:
+        quoted = shlex.quote(path)
+        return (f"if [ -L {quoted} ]; then printf 'link %s\\n' \"$(readlink -f {quoted})\"; "
+                f"elif [ -d {quoted} ]; then echo directory; else echo absent; fi")
+
+    def process(self, output):
+        return parse_venv_target(output)
+
+    def default(self):
+        return {"kind": "absent"}
+
+
+def parse_venv_target(lines: list[str]) -> dict:
+    first = lines[0] if lines else "absent"
+    if first.startswith("link "):
+        return {"kind": "link", "target": first[len("link "):]}
+    if first == "directory":
+        return {"kind": "directory"}
+    return {"kind": "absent"}
+
+
+def release_id_of(venv_target: str | None, releases_dir: str) -> str | None:
+    """The release id if `venv_target` is `<releases_dir>/<id>/venv`, else None."""
+    if not venv_target:
+        return None
+    prefix = releases_dir.rstrip("/") + "/"
+    if not venv_target.startswith(prefix) or not venv_target.endswith("/venv"):
+        return None
+    release_id = venv_target[len(prefix):-len("/venv")]
+    return release_id if release_id and "/" not in release_id else None
+
+
+class Releases(FactBase):
+    """
+    Names of the release directories under `releases_dir` (empty when there is none).
+    """
+
+    def command(self, releases_dir: str) -> str:
+        quoted = shlex.quote(releases_dir)
+        return f"if [ -d {quoted} ]; then ls -1 {quoted}; fi"
+
+    def process(self, output):
+        return sorted(line.strip() for line in output if line.strip())
+
+    def default(self):
+        return []
+
+
+class PatchsetDigest(FactBase):
+    """
+    sha256 over a release's patch-set record(s), or None when the release has none.
+
+    The patches step records the set it applied in ``<release>/patches.json`` (docs/design.md);
+    its operation's default is ``<release>/venv/servestack-patches.json``: both are read, so a
+    change in either is a patch-set change.
+    """
+
+    def command(self, release_dir: str) -> str:
+        files = " ".join(shlex.quote(f"{release_dir}/{name}") for name in PATCH_RECORDS)
+        return f"for f in {files}; do if [ -f \"$f\" ]; then sha256sum \"$f\"; fi; done"
+
+    def process(self, output):
+        return combine_digests(output)
+
+
+PATCH_RECORDS = ("patches.json", "venv/servestack-patches.json")
+
+
+def combine_digests(lines: list[str]) -> str | None:
+    entries = [line.split()[0] for line in lines if line.strip()]
+    if not entries:
+        return None
+    if len(entries) == 1:
+        return entries[0]
+    return hashlib.sha256(" ".join(entries).encode()).hexdigest()
+
+
+class UnitState(FactBase):
+    """
+    `systemctl show` properties of a unit, as a dict; ``{"SystemdRunning": "no"}`` where systemd
+    is not the init system (containers, some cloud images).
+
+    An unknown unit reports ``LoadState=not-found`` and ``ActiveState=inactive``.
+    """
+
+    def command(self, unit: str) -> str:
+        properties = ",".join(UNIT_PROPERTIES)
+        return (f"if [ -d /run/systemd/system ]; then systemctl show --property={properties} -- "
+                f"{shlex.quote(unit)} 2>/dev/null || true; else echo SystemdRunning=no; fi")
+
+    def process(self, output):
+        return parse_properties(output)
+
+    def default(self):
+        return {}
+
+
+def parse_properties(lines: list[str]) -> dict[str, str]:
+    values = {}
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key.strip()] = value.strip()
+    return values
+
+
+class ServiceRecord(FactBase):
+    """
+    servestack's record of the last unit that passed the health gate (a JSON object), or None.
+    """
+
+    def command(self, path: str) -> str:
+        return f"cat {shlex.quote(path)} 2>/dev/null || true"
+
+    def process(self, output):
+        return parse_record(output)
+
+
+def parse_record(lines: list[str]) -> dict | None:
+    try:
+        record = json.loads("\n".join(lines))
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+class UserEntry(FactBase):
+    """
+    The passwd entry of a user as ``{"uid": int, "home": str, "shell": str}``, or None.
+    """
+
+    def command(self, user: str) -> str:
+        return f"getent passwd {shlex.quote(user)} || true"
+
+    def process(self, output):
+        fields = output[0].split(":") if output else []
+        if len(fields) < 7:
+            return None
+        return {"uid": int(fields[2]), "home": fields[5], "shell": fields[6]}
+
+
+class PathOwner(FactBase):
+    """
+    Owner name and octal mode of a path, as ``{"owner": "sglang", "mode": "750"}``, or None.
+    """
+
+    def command(self, path: str) -> str:
+        return f"stat -c '%U %a' -- {shlex.quote(path)} 2>/dev/null || true"
+
+    def process(self, output):
+        fields = output[0].split() if output else []
+        return {"owner": fields[0], "mode": fields[1]} if len(fields) == 2 else None
+
+
+class UnreadableBy(FactBase):
+    """
+    Which of `paths` an existing `user` cannot read (a list; empty when the user does not exist yet).
+    """
+
+    def command(self, user: str, paths: list[str]) -> str:
+        quoted_user = shlex.quote(user)
+        checks = " ".join(shlex.quote(path) for path in paths)
+        return (f"if id -u {quoted_user} >/dev/null 2>&1; then for p in {checks}; do "
+                f"runuser -u {quoted_user} -- test -r \"$p\" || echo \"$p\"; done; fi")
+
+    def process(self, output):
+        return [line for line in output if line.strip()]
+
+    def default(self):
+        return []

@@ -1,0 +1,447 @@
+"""CUDA toolkits on a host: the tree at the install path, the kept toolkits, the `/usr/local/cuda`
+link chain, servestack's record of them, and the cached runfile.
+
+`CudaToolkits` answers everything the toolkit step decides from, in one remote command that only
+stats and reads small files: on a converged host it never reads the runfile.
+`ToolkitFingerprint` (a `find` over one tree) and `RunfileDigest` (md5 and sha256 of one file,
+read concurrently) are separate because they cost more; they run only when an install is due.
+
+toolkits.json (`<servestack_state_dir>/toolkits.json`), written by operations/toolkit.py and read
+by the verification suite::
+
+    {"schema": 1,
+     "target": {"version": "13.0.1", "path": "/usr/local/cuda-13.0", "nvcc_version": "13.0.88"},
+     "recorded": "<UTC>", "run_id": "...",
+     "toolkits": {"/usr/local/cuda-12.8": {"present": true, "nvcc_version": "12.8.93",
+                  "nvcc": "<nvcc --version text>", "version_json": {...} | null,
+                  "files": 42, "files_sha256": "<sha256 of the sorted file list with sizes>"}},
+     "link": {"path": "/usr/local/cuda", "hops": [["/usr/local/cuda", "/usr/local/cuda-12.8"]],
+              "resolved": "/usr/local/cuda-12.8", "kind": "link"},
+     "installed": {"version": "13.0.1", "path": ..., "nvcc_version": ..., "at": "<UTC>",
+                   "run_id": ..., "link_policy": "keep", "link": {...}} | absent}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from pyinfra.api import FactBase
+
+_NVCC = re.compile(r"release (\d+\.\d+), V(\d+(?:\.\d+)+)")
+
+
+@dataclass(frozen=True)
+class NvccVersion:
+    """What `nvcc --version` reports: `release` ("13.0") and full `version` ("13.0.88")."""
+
+    release: str
+    version: str
+
+
+def parse_nvcc_version(text: str) -> NvccVersion | None:
+    """Parse `nvcc --version` output; None when it names no release."""
+    match = _NVCC.search(text)
+    return NvccVersion(match.group(1), match.group(2)) if match else None
+
+
+def parse_json_object(text: str) -> dict | None:
+    """A JSON object, or None when the text is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A toolkit directory as found: existence, its nvcc, version.json and package owner."""
+
+    path: str
+    exists: bool = False
+    empty: bool = False
+    symlink_to: str | None = None
+    nvcc: NvccVersion | None = None
+    nvcc_text: str = ""
+    nvcc_error: str | None = None
+    version_json: dict | None = None
+    version_json_invalid: bool = False
+    dpkg_owner: str | None = None
+
+
+@dataclass(frozen=True)
+class LinkChain:
+    """`/usr/local/cuda` and each symlink hop behind it, as recorded in toolkits.json."""
+
+    path: str
+    hops: tuple[tuple[str, str], ...] = ()
+    resolved: str | None = None
+    kind: str = "absent"        # "link", "dangling", "directory", "file" or "absent"
+
+    def describe(self) -> str:
+        if self.kind == "absent":
+            return f"{self.path} (absent)"
+        if not self.hops:
+            return f"{self.path} (a {self.kind}, not a link)"
+        text = " -> ".join([self.hops[0][0]] + [target for _, target in self.hops])
+        return text + (" (dangling)" if self.kind == "dangling" else "")
+
+    def to_record(self) -> dict:
+        return {"path": self.path, "hops": [list(hop) for hop in self.hops],
+                "resolved": self.resolved, "kind": self.kind}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "LinkChain":
+        return cls(record["path"], tuple(tuple(hop) for hop in record.get("hops", ())),
+                   record.get("resolved"), record.get("kind", "link"))
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """Size, mtime and inode of a file (what identifies "the same file" within one run)."""
+
+    path: str
+    size: int
+    mtime: int
+    inode: int
+
+
+@dataclass(frozen=True)
+class ToolkitState:
+    """Everything the toolkit step decides from (see `CudaToolkits`)."""
+
+    install: Tree
+    arch: str | None = None
+    kept: dict = field(default_factory=dict)          # path -> present (bool)
+    link: LinkChain = LinkChain("/usr/local/cuda")
+    record: dict | None = None                        # parsed toolkits.json
+    record_invalid: bool = False
+    marker: dict | None = None                        # an install in progress (toolkit-install.json)
+    files: dict = field(default_factory=dict)         # path -> FileStat | None
+
+
+def record_path(state_dir: str) -> str:
+    return f"{state_dir.rstrip('/')}/toolkits.json"
+
+
+def marker_path(state_dir: str) -> str:
+    return f"{state_dir.rstrip('/')}/toolkit-install.json"
+
+
+def _q(value: str) -> str:
+    return shlex.quote(value)
+
+
+def tree_command(path: str, prefix: str = "tree") -> str:
+    """Print `<prefix>_*` lines describing the toolkit tree at `path` (see `parse_tree`)."""
+    p = _q(path)
+    return (
+        f"if [ -L {p} ]; then printf '%s %s\\n' {prefix}_symlink \"$(readlink {p})\"; fi; "
+        f"if [ -d {p} ]; then "
+        f"if [ -z \"$(ls -A {p} 2>/dev/null | head -n 1)\" ]; then echo {prefix}_empty; else echo {prefix}_exists; fi; "
+        f"if [ -e {p}/bin/nvcc ]; then out=$({p}/bin/nvcc --version 2>&1); "
+        f"echo \"{prefix}_nvcc_exit $?\"; printf '%s\\n' \"$out\" | sed 's/^/{prefix}_nvcc /'; fi; "
+        f"if [ -f {p}/version.json ]; then printf '%s %s\\n' {prefix}_version_json \"$(tr -d '\\n' < {p}/version.json)\"; "
+        f"elif command -v dpkg >/dev/null 2>&1; then "
+        f"dpkg -S {p}/bin/nvcc 2>/dev/null | head -n 1 | sed 's/^/{prefix}_dpkg /'; fi; "
+        f"elif [ -e {p} ]; then echo {prefix}_exists; echo \"{prefix}_nvcc_exit 127\"; "
+        f"else echo {prefix}_absent; fi"
+    )
+
+
+def parse_tree(path: str, lines: list[str], prefix: str = "tree") -> Tree:
+    """Parse the lines `tree_command(path, prefix)` printed."""
+    values: dict = {"path": path}
+    nvcc_lines, nvcc_exit = [], None
+    for line in lines:
+        key, _, rest = line.partition(" ")
+        if key == f"{prefix}_exists":
+            values["exists"] = True
+        elif key == f"{prefix}_empty":
+            values.update(exists=True, empty=True)
+        elif key == f"{prefix}_symlink":
+            values["symlink_to"] = rest
+        elif key == f"{prefix}_nvcc_exit":
+            nvcc_exit = int(rest)
+        elif key == f"{prefix}_nvcc":
+            nvcc_lines.append(rest)
+        elif key == f"{prefix}_version_json":
+            parsed = parse_json_object(rest)
+            values["version_json"] = parsed
+            values["version_json_invalid"] = parsed is None
+        elif key == f"{prefix}_dpkg":
+            values["dpkg_owner"] = rest.split(":", 1)[0].strip() or rest
+    nvcc_text = "\n".join(nvcc_lines)
+    if nvcc_exit is not None:
+        values["nvcc_text"] = nvcc_text
+        values["nvcc"] = parse_nvcc_version(nvcc_text) if nvcc_exit == 0 else None
+        if nvcc_exit != 0 or values["nvcc"] is None:
+            detail = nvcc_lines[-1].strip() if nvcc_lines else "no output"
+            values["nvcc_error"] = f"bin/nvcc --version failed (exit {nvcc_exit}): {detail}"
+    elif values.get("exists") and not values.get("empty"):
+        values["nvcc_error"] = "no bin/nvcc"
+    return Tree(**values)
+
+
+def link_chain_command(path: str) -> str:
+    """Print `hop <link> -> <target>` per symlink hop, then `link_kind ...` and `link_resolved ...`."""
+    p = _q(path)
+    return (
+        f"p={p}; n=0; while [ -L \"$p\" ] && [ $n -lt 16 ]; do t=$(readlink \"$p\"); "
+        "printf 'hop %s -> %s\\n' \"$p\" \"$t\"; case \"$t\" in /*) p=$t ;; *) p=$(dirname \"$p\")/$t ;; esac; "
+        "n=$((n+1)); done; "
+        f"if [ -L {p} ] && [ ! -e {p} ]; then echo link_kind dangling; "
+        f"elif [ -L {p} ]; then echo link_kind link; elif [ -d {p} ]; then echo link_kind directory; "
+        f"elif [ -e {p} ]; then echo link_kind file; else echo link_kind absent; fi; "
+        f"if [ -e {p} ]; then printf 'link_resolved %s\\n' \"$(readlink -f {p})\"; fi"
+    )
+
+
+def parse_link_chain(path: str, lines: list[str]) -> LinkChain:
+    """Parse the lines `link_chain_command(path)` printed."""
+    hops, kind, resolved = [], "absent", None
+    for line in lines:
+        key, _, rest = line.partition(" ")
+        if key == "hop":
+            link, _, target = rest.partition(" -> ")
+            hops.append((link, target))
+        elif key == "link_kind":
+            kind = rest.strip()
+        elif key == "link_resolved":
+            resolved = rest
+    return LinkChain(path, tuple(hops), resolved, kind)
+
+
+def stat_command(path: str) -> str:
+    """Print `file <size> <mtime> <inode> <path>` or `nofile <path>`."""
+    p = _q(path)
+    return (f"if [ -f {p} ]; then printf 'file %s %s\\n' \"$(stat -c '%s %Y %i' {p})\" {p}; "
+            f"else printf 'nofile %s\\n' {p}; fi")
+
+
+def parse_stats(lines: list[str]) -> dict:
+    files: dict = {}
+    for line in lines:
+        if line.startswith("file "):
+            size, mtime, inode, path = line[5:].split(" ", 3)
+            files[path] = FileStat(path, int(size), int(mtime), int(inode))
+        elif line.startswith("nofile "):
+            files[line[7:]] = None
+    return files
+
+
+def toolkits_command(install_path: str, keep_paths: tuple[str, ...], link_path: str,
+                     state_dir: str, files: tuple[str, ...]) -> str:
+    parts = ["echo \"arch $(uname -m)\"", tree_command(install_path, "tree")]
+    parts += [f"if [ -d {_q(path)} ]; then k=1; else k=0; fi; printf 'keep %s %s\\n' $k {_q(path)}"
+              for path in keep_paths]
+    parts.append(link_chain_command(link_path))
+    for key, path in (("record", record_path(state_dir)), ("marker", marker_path(state_dir))):
+        parts.append(f"if [ -f {_q(path)} ]; then printf '%s %s\\n' {key} \"$(tr -d '\\n' < {_q(path)})\"; fi")
+    parts += [stat_command(path) for path in files]
+    return "; ".join(parts) + "; true"
+
+
+def parse_toolkits(install_path: str, link_path: str, lines: list[str]) -> ToolkitState:
+    kept = {}
+    record = marker = arch = None
+    record_invalid = False
+    for line in lines:
+        key, _, rest = line.partition(" ")
+        if key == "arch":
+            arch = rest.strip() or None
+        elif key == "keep":
+            present, _, path = rest.partition(" ")
+            kept[path] = present == "1"
+        elif key == "record":
+            record = parse_json_object(rest)
+            record_invalid = record is None
+        elif key == "marker":
+            marker = parse_json_object(rest) or {"invalid": rest}
+    return ToolkitState(
+        arch=arch,
+        install=parse_tree(install_path, lines, "tree"),
+        kept=kept,
+        link=parse_link_chain(link_path, lines),
+        record=record,
+        record_invalid=record_invalid,
+        marker=marker,
+        files=parse_stats(lines),
+    )
+
+
+# pyinfra calls process(output) without the command's arguments; the fact passes them through
+# the output by printing them first.
+def _with_header(header: dict, command: str) -> str:
+    return f"echo {_q('args ' + json.dumps(header, sort_keys=True))}; {command}"
+
+
+def _split_header(output: list[str]) -> tuple[dict, list[str]]:
+    if output and output[0].startswith("args "):
+        return json.loads(output[0][5:]), output[1:]
+    return {}, output
+
+
+class CudaToolkits(FactBase):
+    """The install path's tree, kept toolkits' presence, the link chain, records, runfile stats.
+
+    + install_path: where the wanted toolkit goes (e.g. /usr/local/cuda-13.0)
+    + keep_paths: toolkits that must stay untouched (e.g. ("/usr/local/cuda-12.8",))
+    + link_path: the shared link (/usr/local/cuda)
+    + state_dir: servestack's state directory (toolkits.json, toolkit-install.json)
+    + files: runfile paths to stat (cached file, partial download, pre-staged file)
+    """
+
+    def command(self, install_path, keep_paths, link_path, state_dir, files=()):
+        header = {"install_path": install_path, "link_path": link_path}
+        return _with_header(header, toolkits_command(install_path, tuple(keep_paths), link_path,
+                                                     state_dir, tuple(files)))
+
+    @staticmethod
+    def default():
+        return None
+
+    def process(self, output):
+        header, lines = _split_header(output)
+        return parse_toolkits(header["install_path"], header["link_path"], lines)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What must not change in a kept toolkit: nvcc, version.json and the file list with sizes."""
+
+    path: str
+    present: bool
+    nvcc_version: str | None = None
+    nvcc: str = ""
+    version_json: dict | None = None
+    files: int = 0
+    files_sha256: str | None = None
+
+    def to_record(self) -> dict:
+        return {"present": self.present, "nvcc_version": self.nvcc_version, "nvcc": self.nvcc,
+                "version_json": self.version_json, "files": self.files, "files_sha256": self.files_sha256}
+
+    @classmethod
+    def from_record(cls, path: str, record: dict) -> "Fingerprint":
+        return cls(path, bool(record.get("present")), record.get("nvcc_version"), record.get("nvcc", ""),
+                   record.get("version_json"), int(record.get("files") or 0), record.get("files_sha256"))
+
+    def differences(self, other: "Fingerprint") -> list[str]:
+        """What changed from `self` (the record) to `other` (now), in words."""
+        if self.present != other.present:
+            return ["was present, now missing" if self.present else "was absent, now present"]
+        changes = []
+        if self.nvcc_version != other.nvcc_version:
+            changes.append(f"nvcc reported {self.nvcc_version}, now {other.nvcc_version}")
+        if self.version_json != other.version_json:
+            changes.append("version.json changed")
+        if (self.files, self.files_sha256) != (other.files, other.files_sha256):
+            changes.append(f"file list or sizes changed ({self.files} files before, {other.files} now)")
+        return changes
+
+
+def fingerprint_command(path: str) -> str:
+    """Print the fingerprint lines of the tree at `path`: nvcc, version.json, file count and hash."""
+    p = _q(path)
+    listing = (f"find {p}/ -mindepth 1 \\( -type f -printf 'f\\t%P\\t%s\\n' \\) "
+               "-o \\( -type l -printf 'l\\t%P\\t%l\\n' \\) -o -printf '%y\\t%P\\n' | LC_ALL=C sort")
+    return (
+        f"if [ -d {p} ]; then echo fp_present; "
+        f"if [ -e {p}/bin/nvcc ]; then out=$({p}/bin/nvcc --version 2>&1); echo \"fp_nvcc_exit $?\"; "
+        "printf '%s\\n' \"$out\" | sed 's/^/fp_nvcc /'; fi; "
+        f"if [ -f {p}/version.json ]; then printf '%s %s\\n' fp_version_json \"$(tr -d '\\n' < {p}/version.json)\"; fi; "
+        f"list=$({listing}); "
+        "echo \"fp_files $(printf '%s\\n' \"$list\" | grep -c .) $(printf '%s\\n' \"$list\" | sha256sum | cut -d' ' -f1)\"; "
+        "else echo fp_absent; fi"
+    )
+
+
+def parse_fingerprint(path: str, lines: list[str]) -> Fingerprint:
+    if "fp_present" not in lines:
+        return Fingerprint(path, present=False)
+    nvcc_lines, nvcc_exit, version_json, files, files_sha256 = [], None, None, 0, None
+    for line in lines:
+        key, _, rest = line.partition(" ")
+        if key == "fp_nvcc":
+            nvcc_lines.append(rest)
+        elif key == "fp_nvcc_exit":
+            nvcc_exit = int(rest)
+        elif key == "fp_version_json":
+            version_json = parse_json_object(rest)
+        elif key == "fp_files":
+            count, _, digest = rest.partition(" ")
+            files, files_sha256 = int(count), digest.strip()
+    text = "\n".join(nvcc_lines)
+    nvcc = parse_nvcc_version(text) if nvcc_exit == 0 else None
+    return Fingerprint(path, True, nvcc.version if nvcc else None, text, version_json, files, files_sha256)
+
+
+class ToolkitFingerprint(FactBase):
+    """Fingerprint (`Fingerprint`) of the toolkit tree at `path`, computed on the host in one command.
+
+    + path: toolkit root, e.g. /usr/local/cuda-12.8
+    """
+
+    def command(self, path):
+        return _with_header({"path": path}, fingerprint_command(path))
+
+    @staticmethod
+    def default():
+        return None
+
+    def process(self, output):
+        header, lines = _split_header(output)
+        return parse_fingerprint(header["path"], lines)
+
+
+@dataclass(frozen=True)
+class Digest:
+    """Size, md5 and sha256 of a file, with the stat that identifies the bytes hashed."""
+
+    path: str
+    present: bool
+    stat: FileStat | None = None
+    md5: str | None = None
+    sha256: str | None = None
+
+
+def digest_command(path: str) -> str:
+    """Stat, then md5sum and sha256sum run concurrently (the page cache makes it one disk read)."""
+    p = _q(path)
+    return (f"if [ -f {p} ]; then {stat_command(path)}; "
+            f"{{ md5sum {p} | sed 's/^/md5 /' & sha256sum {p} | sed 's/^/sha256 /'; wait; }}; "
+            f"else printf 'nofile %s\\n' {p}; fi")
+
+
+def parse_digest(path: str, lines: list[str]) -> Digest:
+    stat = parse_stats(lines).get(path)
+    if stat is None:
+        return Digest(path, present=False)
+    sums = {}
+    for line in lines:
+        key, _, rest = line.partition(" ")
+        if key in ("md5", "sha256"):
+            sums[key] = rest.split()[0].lstrip("\\") if rest.split() else None
+    return Digest(path, True, stat, sums.get("md5"), sums.get("sha256"))
+
+
+class RunfileDigest(FactBase):
+    """md5 and sha256 of the file at `path` (reads it once; only when an install is due).
+
+    + path: the runfile
+    """
+
+    def command(self, path):
+        return _with_header({"path": path}, digest_command(path))
+
+    @staticmethod
+    def default():
+        return None
+
+    def process(self, output):
+        header, lines = _split_header(output)
+        return parse_digest(header["path"], lines)

@@ -1,0 +1,42 @@
+"""The verification probes of servestack/checks.py, read through pyinfra (the deploy's last step).
+
+Each probe group is one shell script printing framed sections; the script always exits 0, so a
+host without a GPU, a toolkit or a service answers with sections saying so instead of failing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pyinfra.api import FactBase
+
+from servestack.checks import Section, parse_sections
+
+
+@dataclass(frozen=True)
+class ProbeScript:
+    """One probe group's script; shown by its group name in pyinfra's log lines, not its text."""
+
+    group: str
+    text: str = field(repr=False)
+
+    def __str__(self) -> str:
+        return self.group
+
+
+class VerificationProbe(FactBase):
+    """
+    Returns ``{section name: Section(rc, text)}`` of one probe script.
+
+    + probe: a ``ProbeScript`` of a ``servestack.checks`` probe group (``host_script(settings)``, ...)
+    """
+
+    def command(self, probe: ProbeScript) -> str:
+        return probe.text
+
+    @staticmethod
+    def default() -> dict[str, Section]:
+        return {}
+
+    def process(self, output: list[str]) -> dict[str, Section]:
+        return parse_sections("\n".join(output))

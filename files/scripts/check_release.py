@@ -1,0 +1,69 @@
+"""Checks a freshly built release must pass before it may become active (runs inside its python).
+
+argv[1] is a JSON object: {"packages": {name: version}, "lock": {name: version},
+"torch_cuda": "13.0", "imports": [module, ...]}. Prints one "PROBLEM <text>" line per failed
+check and exits 1 if there is any; prints "OK" and exits 0 otherwise.
+"""
+
+import importlib
+import importlib.metadata
+import json
+import sys
+
+
+def installed(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_problems(expected, what):
+    problems = []
+    for name, version in sorted(expected.items()):
+        found = installed(name)
+        if found is None:
+            problems.append("%s is not installed (%s %s)" % (name, what, version))
+        elif found != version:
+            problems.append("%s is %s, %s %s" % (name, found, what, version))
+    return problems
+
+
+def torch_problems(expected_version, expected_cuda):
+    try:
+        import torch
+    except Exception as error:  # any import failure is a failed check, reported by name
+        return ["import torch failed: %s: %s" % (type(error).__name__, error)]
+    problems = []
+    if expected_version and torch.__version__ != expected_version:
+        problems.append("torch.__version__ is %s, expected %s" % (torch.__version__, expected_version))
+    if torch.version.cuda != expected_cuda:
+        problems.append("torch.version.cuda is %r, expected %r" % (torch.version.cuda, expected_cuda))
+    return problems
+
+
+def import_problems(modules):
+    problems = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as error:
+            problems.append("import %s failed: %s: %s" % (module, type(error).__name__, error))
+    return problems
+
+
+def main(argv):
+    expect = json.loads(argv[1])
+    problems = version_problems(expect["packages"], "expected")
+    problems += version_problems(expect.get("lock", {}), "the lock has")
+    problems += torch_problems(expect["packages"].get("torch"), expect["torch_cuda"])
+    problems += import_problems(expect["imports"])
+    for problem in problems:
+        print("PROBLEM " + problem)
+    if not problems:
+        print("OK")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

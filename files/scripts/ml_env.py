@@ -1,0 +1,534 @@
+"""servestack's host-side tool for the ML environment (runs on the target host, stdlib only).
+
+The control machine (operations/venv.py) sends this file over SSH as `python3 - <command> <params>`
+(params: base64 of a JSON object) and decides *whether* to run it from facts; this file does the
+mechanical part on the host, where renames are atomic and JSON records are written safely:
+
+    state     print one JSON object describing the environment (the fact; changes nothing)
+    backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
+    build     build one release beside the active one: venv, lock, ordered install, checks
+    activate  adopt a hand-made venv if needed, then point venv_path at a release (rename(2))
+    prune     delete releases the control machine chose (never the active one)
+    backups   print a summary of each kept snapshot (the listing command's fact; changes nothing)
+
+Every failure prints one line starting with "servestack:" to stderr and exits non-zero.
+"""
+
+import base64
+import datetime
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from urllib.parse import urlsplit
+
+RECORD = "release.json"
+HISTORY = "releases.json"
+BACKUP_NAME = re.compile(r"^\d{8}T\d{6}Z(-\d+)?\.json$")
+RELEASE_NAME = re.compile(r"^(r-[0-9a-f]{12}|adopted-\d{8}T\d{6}Z)$")
+
+LIST_PACKAGES = (
+    "import importlib.metadata as m, json, platform, sys\n"
+    "seen = {}\n"
+    "for d in m.distributions():\n"
+    "    name = d.metadata['Name']\n"
+    "    if name and name.lower() not in seen: seen[name.lower()] = (name, d.version)\n"
+    "print(json.dumps({'python': platform.python_version(), 'prefix': sys.prefix,\n"
+    "                  'packages': {n: v for n, v in sorted(seen.values(), key=lambda i: i[0].lower())}}))\n"
+)
+
+
+class Failure(Exception):
+    """A clear, one-line reason the command did not do its job."""
+
+
+def utc_stamp():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def read_json(path, default=None):
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return default
+
+
+def write_json(path, data):
+    """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
+    temporary = "%s.tmp-%d" % (path, os.getpid())
+    with open(temporary, "w") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    os.replace(temporary, path)
+
+
+def canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# --- reading the environment -------------------------------------------------------------------
+
+def env_packages(venv):
+    """The packages, Python version and prefix of a venv, by running its own python (pip or not)."""
+    python = os.path.join(venv, "bin", "python")
+    try:
+        result = subprocess.run([python, "-c", LIST_PACKAGES], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return {"error": "cannot run %s: %s" % (python, error)}
+    if result.returncode != 0:
+        lines = (result.stderr.strip() or "exit %d" % result.returncode).splitlines()
+        return {"error": "%s failed: %s" % (python, lines[-1])}
+    return json.loads(result.stdout)
+
+
+def venv_path_state(venv_path, releases_dir):
+    """What sits at venv_path: missing, a link (to a release or elsewhere), a venv, or something else."""
+    state = {"path": venv_path, "kind": "missing", "target": None, "realpath": None, "release": None}
+    if os.path.islink(venv_path):
+        state["kind"] = "link"
+        state["target"] = os.readlink(venv_path)
+    elif os.path.isdir(venv_path):
+        state["kind"] = "venv" if os.path.isfile(os.path.join(venv_path, "pyvenv.cfg")) else "other"
+    elif os.path.lexists(venv_path):
+        state["kind"] = "other"
+    if state["kind"] == "missing":
+        return state
+    state["realpath"] = os.path.realpath(venv_path)
+    if state["kind"] == "link":
+        state["release"] = release_of(state["target"], releases_dir)
+        if not os.path.isfile(os.path.join(state["realpath"], "pyvenv.cfg")):
+            state["kind"] = "broken-link"
+    return state
+
+
+def release_of(link_target, releases_dir):
+    """The release id a venv_path link names (`<releases_dir>/<id>/venv`), else None."""
+    parent, leaf = os.path.split(os.path.normpath(link_target))
+    if leaf == "venv" and os.path.dirname(parent) == os.path.normpath(releases_dir):
+        name = os.path.basename(parent)
+        if RELEASE_NAME.match(name):
+            return name
+    return None
+
+
+def releases(releases_dir):
+    found = {}
+    if not os.path.isdir(releases_dir):
+        return found
+    for name in sorted(os.listdir(releases_dir)):
+        if not RELEASE_NAME.match(name):
+            continue
+        directory = os.path.join(releases_dir, name)
+        record = read_json(os.path.join(directory, RECORD), {}) or {}
+        record["has_venv"] = os.path.isfile(os.path.join(directory, "venv", "pyvenv.cfg"))
+        record.setdefault("status", "incomplete")
+        found[name] = record
+    return found
+
+
+def backups(state_dir):
+    directory = os.path.join(state_dir, "backups")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory) if BACKUP_NAME.match(name))
+
+
+def uv_version(uv):
+    try:
+        result = subprocess.run([uv, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    parts = result.stdout.split()
+    return parts[1] if result.returncode == 0 and len(parts) >= 2 else None
+
+
+def command_state(params):
+    venv_path, releases_dir, state_dir = params["venv_path"], params["releases_dir"], params["state_dir"]
+    where = venv_path_state(venv_path, releases_dir)
+    wanted = params.get("packages", True) and where["kind"] in ("venv", "link")
+    active = env_packages(venv_path) if wanted else None
+    names = backups(state_dir)
+    latest = read_json(os.path.join(state_dir, "backups", names[-1])) if names else None
+    return {
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "machine": platform.machine(),
+        "venv_path": where,
+        "active": active,
+        "releases": releases(releases_dir),
+        "history": (read_json(os.path.join(state_dir, HISTORY), {}) or {}).get("activations", []),
+        "backups": names,
+        "latest_backup": latest,
+        "uv": uv_version(params["uv"]),
+    }
+
+
+# --- backup ------------------------------------------------------------------------------------
+
+def snapshot(venv_path, releases_dir):
+    where = venv_path_state(venv_path, releases_dir)
+    if where["kind"] not in ("venv", "link"):
+        return None
+    listed = env_packages(venv_path)
+    if "error" in listed:
+        raise Failure("cannot list the packages of %s before changing it: %s" % (venv_path, listed["error"]))
+    return {"venv_path": venv_path, "realpath": where["realpath"], "release": where["release"],
+            "python": listed["python"], "packages": listed["packages"]}
+
+
+def same_environment(a, b):
+    keys = ("realpath", "python", "packages")
+    return bool(a and b) and all(a.get(key) == b.get(key) for key in keys)
+
+
+def command_backup(params):
+    state_dir, keep = params["state_dir"], params["keep"]
+    current = snapshot(params["venv_path"], params["releases_dir"])
+    if current is None:
+        return {"written": None, "reason": "no environment at %s" % params["venv_path"]}
+    directory = os.path.join(state_dir, "backups")
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    names = backups(state_dir)
+    latest = read_json(os.path.join(directory, names[-1])) if names else None
+    written = None
+    if not same_environment(current, latest):
+        stamp = utc_stamp()
+        name, number = stamp + ".json", 1
+        while os.path.exists(os.path.join(directory, name)):
+            name, number = "%s-%d.json" % (stamp, number), number + 1
+        current.update({"timestamp": stamp, "reason": params.get("reason", "")})
+        write_json(os.path.join(directory, name), current)
+        written = name
+    names = backups(state_dir)
+    pruned = names[:-keep] if len(names) > keep else []
+    for name in pruned:
+        os.remove(os.path.join(directory, name))
+    return {"written": written, "pruned": pruned}
+
+
+def command_backups(params):
+    directory = os.path.join(params["state_dir"], "backups")
+    summaries = []
+    for name in backups(params["state_dir"]):
+        snapshot = read_json(os.path.join(directory, name), {}) or {}
+        packages = snapshot.get("packages") or {}
+        torch = next((version for package, version in packages.items() if canonical(package) == "torch"), None)
+        summaries.append({"file": os.path.join(directory, name), "timestamp": snapshot.get("timestamp"),
+                          "venv_path": snapshot.get("venv_path"), "realpath": snapshot.get("realpath"),
+                          "release": snapshot.get("release"), "python": snapshot.get("python"),
+                          "packages": len(packages), "torch": torch, "reason": snapshot.get("reason")})
+    return {"backups": summaries}
+
+
+# --- build -------------------------------------------------------------------------------------
+
+def parse_lock(text):
+    """Entries of a `uv pip compile --generate-hashes --emit-index-annotation` lock, in file order."""
+    entries, current, in_via = [], None, False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or (stripped.startswith("#") and current is None):
+            continue
+        if not line.startswith((" ", "\t", "#")):
+            spec = stripped.rstrip("\\").strip()
+            current = {"spec": spec, "hashes": [], "via": [], "index": None}
+            match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(==\s*(\S+)|@\s*(\S+))", spec)
+            if not match:
+                raise Failure("cannot read lock line %r" % line)
+            current["name"] = canonical(match.group(1))
+            current["version"] = match.group(3)
+            current["url"] = match.group(4)
+            entries.append(current)
+            in_via = False
+            continue
+        if stripped.startswith("--hash="):
+            current["hashes"].append(stripped.split("=", 1)[1].rstrip("\\").strip())
+        elif stripped.startswith("# via"):
+            rest = stripped[len("# via"):].strip()
+            in_via = not rest
+            if rest:
+                current["via"].append(rest)
+        elif stripped.startswith("# from "):
+            current["index"] = stripped[len("# from "):].strip()
+            in_via = False
+        elif stripped.startswith("#") and in_via:
+            current["via"].append(stripped.lstrip("#").strip())
+    return entries
+
+
+def assign_steps(entries, steps):
+    """Give each lock entry the install step it belongs to.
+
+    A stack package keeps its manifest step; any other package lands with the earliest step of a
+    package that needs it (from the lock's `# via` annotations), so each step installs a
+    self-consistent set in the documented order.
+    """
+    pinned = {canonical(name): step for name, step in steps.items()}
+    last = max(pinned.values())
+    step_of = {entry["name"]: pinned.get(entry["name"]) for entry in entries}
+    parents = {entry["name"]: [canonical(via.split()[0]) for via in entry["via"]
+                               if not via.startswith("-") and "(" not in via]
+               for entry in entries}
+    changed = True
+    while changed:
+        changed = False
+        for name, step in step_of.items():
+            if name in pinned:
+                continue
+            known = [step_of[parent] for parent in parents[name] if step_of.get(parent) is not None]
+            best = min(known) if known else None
+            if best is not None and (step is None or best < step):
+                step_of[name], changed = best, True
+    return {name: (step if step is not None else last) for name, step in step_of.items()}
+
+
+def step_files(entries, steps):
+    """[(step, index or None, requirements text)] in install order, one per (step, index)."""
+    step_of = assign_steps(entries, steps)
+    groups = {}
+    for entry in entries:
+        key = (step_of[entry["name"]], entry["index"] or "")
+        lines = [entry["spec"]] + ["--hash=%s" % digest for digest in entry["hashes"]]
+        groups.setdefault(key, []).append(" \\\n    ".join(lines))
+    return [(step, index or None, "\n".join(lines) + "\n") for (step, index), lines in sorted(groups.items())]
+
+
+def run(command, log, env, cwd=None, what=None):
+    log.write("$ %s\n" % " ".join(command))
+    log.flush()
+    started = time.monotonic()
+    result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    log.write("# exit %d after %.2f s\n" % (result.returncode, time.monotonic() - started))
+    log.flush()
+    if result.returncode != 0:
+        with open(log.name) as handle:
+            tail = [line.rstrip() for line in handle.readlines()[-12:] if line.strip()]
+        reason = tail[-1] if tail else "exit %d" % result.returncode
+        for line in tail:
+            if line.lstrip().lower().startswith(("error", "caused by", "×", "because")):
+                reason = line.strip()
+                break
+        raise Failure("%s failed (exit %d): %s; full log: %s" % (what or command[0], result.returncode,
+                                                                 reason, log.name))
+
+
+def uv_environment(params):
+    """A clean environment for uv: the user's UV_* settings must not change what is resolved."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("UV_", "PIP_"))}
+    env.update({"UV_CACHE_DIR": params["cache_dir"], "UV_PYTHON_DOWNLOADS": "never",
+                "UV_NO_PROGRESS": "1", "UV_LINK_MODE": "hardlink"})
+    return env
+
+
+def check_release(python, params, log):
+    """Run the release's checks inside its own python; raise Failure listing every problem."""
+    check = os.path.join(params["release_dir"], "check.py")
+    with open(check, "w") as handle:
+        handle.write(params["check_script"])
+    result = subprocess.run([python, check, json.dumps(params["expect"])], capture_output=True, text=True)
+    log.write("$ %s %s\n%s%s" % (python, check, result.stdout, result.stderr))
+    if result.returncode != 0:
+        problems = [line[len("PROBLEM "):] for line in result.stdout.splitlines() if line.startswith("PROBLEM ")]
+        if not problems:
+            problems = (result.stderr.strip() or "exit %d" % result.returncode).splitlines()[-1:]
+        raise Failure("checks failed: " + "; ".join(problems))
+
+
+def install_uv(params, log):
+    """Install the pinned uv into its own venv with the host's python3 and pip (if missing/wrong)."""
+    uv = params["uv"]
+    if uv_version(uv) == params["uv_version"]:
+        return
+    home = os.path.dirname(os.path.dirname(uv))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
+    run([sys.executable, "-m", "venv", home], log, env, what="creating uv's venv %s" % home)
+    command = [os.path.join(home, "bin", "pip"), "install", "--quiet", "--disable-pip-version-check",
+               "--index-url", params["uv_index_url"], "uv==%s" % params["uv_version"]]
+    if params["uv_index_url"].startswith("http://"):  # pip ignores a plain-http index unless trusted
+        command += ["--trusted-host", urlsplit(params["uv_index_url"]).hostname]
+    run(command, log, env,
+        what="installing uv %s from %s" % (params["uv_version"], params["uv_index_url"]))
+    if uv_version(uv) != params["uv_version"]:
+        raise Failure("%s does not report uv %s after installing it" % (uv, params["uv_version"]))
+
+
+def build(params, log):
+    directory, uv = params["release_dir"], params["uv"]
+    venv = os.path.join(directory, "venv")
+    python = os.path.join(venv, "bin", "python")
+    env = uv_environment(params)
+    install_uv(params, log)
+    run([uv, "venv", "--quiet", "--python", params["python"], venv], log, env, what="uv venv")
+    run([uv, "pip", "compile", "pyproject.toml", "--quiet", "--python", python, "--overrides",
+         "overrides.txt", "--generate-hashes", "--emit-index-annotation", "--no-header",
+         "--index-strategy", "first-index", "-o", "lock.txt"], log, env, cwd=directory,
+        what="resolving the lock (uv pip compile)")
+    with open(os.path.join(directory, "lock.txt")) as handle:
+        entries = parse_lock(handle.read())
+    for number, (step, index, text) in enumerate(step_files(entries, params["steps"]), 1):
+        path = os.path.join(directory, "step-%d-%d.txt" % (step, number))
+        with open(path, "w") as handle:
+            handle.write(text)
+        # The overrides shaped the one resolution; installing its result with --no-deps re-resolves
+        # nothing (flashinfer stays 0.6.4 despite sglang's pin), and --require-hashes refuses any
+        # requirement without a hash, so overrides are not passed again. --no-config: only the
+        # index the lock names for these pins is consulted.
+        command = [uv, "pip", "install", "--quiet", "--no-config", "--python", python, "--no-deps",
+                   "--require-hashes", "-r", path]
+        if index:
+            command[3:3] = ["--default-index", index]
+        else:
+            command[3:3] = ["--no-index"]
+        run(command, log, env, what="install step %d (%s)" % (step, os.path.basename(path)))
+    params["expect"]["lock"] = {entry["name"]: entry["version"] for entry in entries if entry["version"]}
+    check_release(python, params, log)
+    listed = env_packages(venv)
+    if "error" in listed:
+        raise Failure(listed["error"])
+    return listed
+
+
+def command_build(params):
+    directory = params["release_dir"]
+    record_path = os.path.join(directory, RECORD)
+    record = read_json(record_path, {}) or {}
+    if record.get("status") == "ok" and os.path.isfile(os.path.join(directory, "venv", "pyvenv.cfg")):
+        return {"built": False, "reason": "already built"}
+    if os.path.realpath(params["venv_path"]) == os.path.realpath(os.path.join(directory, "venv")):
+        raise Failure("refusing to rebuild %s: it is the active environment" % directory)
+    if os.path.lexists(directory):
+        shutil.rmtree(directory)
+    os.makedirs(directory, mode=0o755)
+    for name, text in params["files"].items():
+        with open(os.path.join(directory, name), "w") as handle:
+            handle.write(text)
+    record = {"id": params["id"], "created": utc_stamp(), "status": "building", "adopted": False,
+              "inputs": params["inputs"]}
+    write_json(record_path, record)
+    log_path = os.path.join(directory, "build.log")
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        try:
+            listed = build(params, log)
+        except Failure as failure:
+            record.update({"status": "failed", "error": str(failure), "failed": utc_stamp()})
+            write_json(record_path, record)
+            raise Failure("release %s was not built and is not active (%s left for inspection): %s"
+                          % (params["id"], directory, failure)) from None
+    with open(os.path.join(directory, "lock.txt"), "rb") as handle:
+        lock_sha256 = hashlib.sha256(handle.read()).hexdigest()
+    record.update({"status": "ok", "python": listed["python"], "packages": listed["packages"],
+                   "lock_sha256": lock_sha256, "built": utc_stamp(),
+                   "build_seconds": round(time.monotonic() - started, 2)})
+    write_json(record_path, record)
+    return {"built": True}
+
+
+# --- activate ----------------------------------------------------------------------------------
+
+def switch_link(link, target):
+    """Point `link` at `target` with one rename(2): readers see the old target or the new one."""
+    temporary = "%s.servestack-%d" % (link, os.getpid())
+    if os.path.lexists(temporary):
+        os.remove(temporary)
+    os.symlink(target, temporary)
+    os.replace(temporary, link)
+
+
+def adopt(venv_path, releases_dir, kind, name):
+    """Move a hand-made venv (or take over a foreign link) as release `name`, keeping it usable.
+
+    A venv's scripts name venv_path in their shebangs, and renaming a venv breaks them; after the
+    move venv_path is a link to the moved tree, so those scripts keep working whenever it is active.
+    """
+    directory = os.path.join(releases_dir, name)
+    listed = env_packages(venv_path)
+    os.makedirs(directory, mode=0o755)
+    venv = os.path.join(directory, "venv")
+    if kind == "venv":
+        os.symlink(venv, venv_path + ".servestack-adopt")
+        shutil.move(venv_path, venv)  # a rename on one filesystem; a copy keeping links otherwise
+        os.replace(venv_path + ".servestack-adopt", venv_path)
+    else:
+        os.symlink(os.path.realpath(venv_path), venv)
+        switch_link(venv_path, venv)
+    write_json(os.path.join(directory, RECORD), {
+        "id": name, "created": utc_stamp(), "status": "ok", "adopted": True, "adopted_from": venv_path,
+        "python": listed.get("python"), "packages": listed.get("packages"), "lock_sha256": None})
+    return name
+
+
+def record_activation(state_dir, release, previous, by):
+    path = os.path.join(state_dir, HISTORY)
+    history = read_json(path, {}) or {}
+    history.setdefault("activations", []).append(
+        {"release": release, "previous": previous, "by": by, "at": utc_stamp()})
+    os.makedirs(state_dir, mode=0o755, exist_ok=True)
+    write_json(path, history)
+
+
+def command_activate(params):
+    venv_path, releases_dir, state_dir = params["venv_path"], params["releases_dir"], params["state_dir"]
+    release = params["release"]
+    target = os.path.join(releases_dir, release, "venv")
+    record = read_json(os.path.join(releases_dir, release, RECORD), {}) or {}
+    if record.get("status") != "ok" or not os.path.isfile(os.path.join(target, "pyvenv.cfg")):
+        raise Failure("release %s is not a complete, checked release (status %s); %s was not changed"
+                      % (release, record.get("status", "missing"), venv_path))
+    where = venv_path_state(venv_path, releases_dir)
+    current = where["release"]  # None for a hand-made venv, a foreign or a broken link
+    if where["kind"] == "other":
+        raise Failure("%s exists but is not a venv (no pyvenv.cfg); move it away and re-run" % venv_path)
+    adopted = None
+    if where["kind"] == "venv" or (where["kind"] == "link" and current is None):
+        current = adopted = adopt(venv_path, releases_dir, where["kind"], params["adopt_as"])
+        record_activation(state_dir, adopted, None, "adopt")
+    if current == release:
+        return {"switched": False, "adopted": adopted}
+    os.makedirs(os.path.dirname(venv_path) or "/", exist_ok=True)
+    switch_link(venv_path, target)
+    record_activation(state_dir, release, current, params["by"])
+    return {"switched": True, "previous": current, "adopted": adopted}
+
+
+def command_prune(params):
+    releases_dir, removed = params["releases_dir"], []
+    active = os.path.realpath(params["venv_path"])
+    for release in params["remove"]:
+        directory = os.path.join(releases_dir, release)
+        if not RELEASE_NAME.match(release) or release in params["protect"]:
+            continue
+        if active == os.path.realpath(os.path.join(directory, "venv")) or active.startswith(directory + "/"):
+            continue
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+            removed.append(release)
+    return {"removed": removed}
+
+
+COMMANDS = {"state": command_state, "backup": command_backup, "build": command_build,
+            "activate": command_activate, "prune": command_prune, "backups": command_backups}
+
+
+def main(argv):
+    if len(argv) != 3 or argv[1] not in COMMANDS:
+        sys.stderr.write("usage: ml_env.py {%s} BASE64_JSON\n" % ",".join(COMMANDS))
+        return 2
+    params = json.loads(base64.b64decode(argv[2]).decode())
+    os.umask(0o022)
+    try:
+        result = COMMANDS[argv[1]](params)
+    except Failure as failure:
+        sys.stderr.write("servestack: %s\n" % failure)
+        return 1
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,145 @@
+# servestack health gate for one SGLang unit (run by operations/service.py as root, with bash).
+#
+# (Re)start the unit, wait until GET /health answers 200, send one real POST /generate and
+# require a non-empty "text". On success remember the unit as the last known-good one. On
+# failure re-activate the last known-good release and unit, restart that, wait until it is
+# healthy and answering, and exit 1 saying what failed and what was restored (2 if the
+# rollback failed too). The failed release is never deleted: it stays for inspection.
+#
+# Inputs (environment; every one is set by `gate_command`):
+#   SS_UNIT SS_UNIT_PATH SS_URL SS_HEALTH_TIMEOUT SS_GENERATE_TIMEOUT SS_GENERATE_BODY
+#   SS_RELEASE SS_RELEASE_DIR SS_FINGERPRINT SS_STATE_DIR SS_GOOD_UNIT SS_RECORD
+#   SS_VENV_PATH SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV SS_PREVIOUS_LABEL SS_HISTORY SS_PYTHON
+set -u
+
+reason=""
+invocation=""
+
+say() { printf 'servestack: %s\n' "$*"; }
+
+unit_state() { systemctl show --property=ActiveState --value -- "$SS_UNIT" 2>/dev/null; }
+
+# Wait up to $1 s for GET /health to answer 200; stop early when systemd gave up on the unit.
+wait_ready() {
+  local started=$SECONDS deadline=$((SECONDS + $1)) next_note=$((SECONDS + 30)) state
+  while :; do
+    if curl -fsS -o /dev/null --max-time 10 "$SS_URL/health" 2>/dev/null; then
+      return 0
+    fi
+    state=$(unit_state)
+    # A server that exits while starting is broken: do not wait out the timeout for Restart= to loop.
+    if [ "$state" = failed ] || [ "$(systemctl show --property=NRestarts --value -- "$SS_UNIT" 2>/dev/null)" != 0 ] \
+       || [ "$(systemctl show --property=SubState --value -- "$SS_UNIT" 2>/dev/null)" = auto-restart ]; then
+      reason="the server exited before /health answered ($(systemctl show --property=Result --value -- "$SS_UNIT" 2>/dev/null), exit status $(systemctl show --property=ExecMainStatus --value -- "$SS_UNIT" 2>/dev/null))"
+      return 1
+    fi
+    if (( SECONDS >= deadline )); then
+      reason="no HTTP 200 from GET /health within $1 s (unit $state)"
+      return 1
+    fi
+    if (( SECONDS >= next_note )); then  # output keeps long waits visible and the SSH session alive
+      say "waiting for $SS_UNIT to become ready ($((SECONDS - started)) s of $1 s)"
+      next_note=$((SECONDS + 30))
+    fi
+    sleep 1
+  done
+}
+
+# One real generation request; the answer must carry a non-empty "text".
+answers() {
+  local body
+  if ! body=$(curl -fsS --max-time "$SS_GENERATE_TIMEOUT" -H 'Content-Type: application/json' \
+                   -d "$SS_GENERATE_BODY" "$SS_URL/generate" 2>&1); then
+    reason="POST /generate failed: $(printf '%s' "$body" | head -c 300)"
+    return 1
+  fi
+  if ! printf '%s' "$body" | grep -Eq '"text"[[:space:]]*:[[:space:]]*"([^"\\]|\\.)'; then
+    reason="POST /generate answered without text: $(printf '%s' "$body" | head -c 300)"
+    return 1
+  fi
+}
+
+restart_and_check() {
+  if ! systemctl daemon-reload || ! systemctl restart -- "$SS_UNIT"; then
+    reason="systemctl restart $SS_UNIT failed"
+    return 1
+  fi
+  invocation=$(systemctl show --property=InvocationID --value -- "$SS_UNIT" 2>/dev/null)
+  wait_ready "$SS_HEALTH_TIMEOUT" && answers
+}
+
+remember_good_unit() {
+  install -d -m 755 -- "$SS_STATE_DIR" &&
+  install -m 644 -- "$SS_UNIT_PATH" "$SS_GOOD_UNIT.tmp" && mv -f -- "$SS_GOOD_UNIT.tmp" "$SS_GOOD_UNIT" &&
+  printf '{"fingerprint": "%s", "release": "%s", "unit": "%s", "healthy_at": "%s"}\n' \
+    "$SS_FINGERPRINT" "$SS_RELEASE" "$SS_UNIT_PATH" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$SS_RECORD.tmp" &&
+  mv -f -- "$SS_RECORD.tmp" "$SS_RECORD"
+}
+
+# Point the stable venv path back at the previous release (a rename, as the venv step does).
+reactivate_previous_venv() {
+  [ -n "$SS_PREVIOUS_VENV" ] || return 0
+  [ "$(readlink -f -- "$SS_VENV_PATH")" != "$SS_PREVIOUS_VENV" ] || return 0
+  if [ ! -x "$SS_PREVIOUS_VENV/bin/python" ]; then
+    reason="the previous release's venv $SS_PREVIOUS_VENV is gone"
+    return 1
+  fi
+  ln -sfn -- "$SS_PREVIOUS_VENV" "$SS_VENV_PATH.servestack-rollback" &&
+  mv -fT -- "$SS_VENV_PATH.servestack-rollback" "$SS_VENV_PATH" &&
+  record_reactivation
+}
+
+# Tell the venv step's activation history (files/scripts/ml_env.py) about the switch, so that
+# rollback.py and release pruning see which release is active; only where that history exists.
+record_reactivation() {
+  [ -n "$SS_PREVIOUS_RELEASE" ] && [ -f "$SS_HISTORY" ] || return 0
+  "$SS_PYTHON" - "$SS_HISTORY" "$SS_PREVIOUS_RELEASE" "$SS_RELEASE" <<'PY' || say "could not record the switch in $SS_HISTORY" >&2
+import datetime, json, os, sys
+path, release, previous = sys.argv[1:4]
+with open(path) as handle:
+    history = json.load(handle)
+stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+history.setdefault("activations", []).append(
+    {"release": release, "previous": previous, "by": "service-rollback", "at": stamp})
+with open(path + ".tmp-servestack", "w") as handle:
+    json.dump(history, handle, indent=2, sort_keys=True)
+    handle.write("\n")
+os.replace(path + ".tmp-servestack", path)
+PY
+}
+
+restore_good_unit() {
+  install -m 644 -- "$SS_GOOD_UNIT" "$SS_UNIT_PATH.servestack-rollback" &&
+  mv -f -- "$SS_UNIT_PATH.servestack-rollback" "$SS_UNIT_PATH"
+}
+
+if restart_and_check; then
+  if ! remember_good_unit; then
+    say "$SS_UNIT is healthy on release $SS_RELEASE but its record in $SS_STATE_DIR could not be written" >&2
+    exit 1
+  fi
+  say "$SS_UNIT is healthy on release $SS_RELEASE and answered a generation request"
+  exit 0
+fi
+
+failure="$SS_UNIT on release $SS_RELEASE failed: $reason"
+{
+  say "$failure"
+  if [ -n "$invocation" ]; then
+    say "its last journal lines:"
+    journalctl "_SYSTEMD_INVOCATION_ID=$invocation" --lines=15 --no-pager --output=cat 2>/dev/null | sed 's/^/    /'
+  fi
+} >&2
+
+if [ ! -f "$SS_GOOD_UNIT" ]; then
+  systemctl stop -- "$SS_UNIT"
+  say "$failure; no earlier healthy unit to roll back to, so $SS_UNIT was stopped; release $SS_RELEASE stays in $SS_RELEASE_DIR for inspection" >&2
+  exit 1
+fi
+
+if reactivate_previous_venv && restore_good_unit && restart_and_check; then
+  say "$failure; rolled back to $SS_PREVIOUS_LABEL, which is healthy and answering again; release $SS_RELEASE stays in $SS_RELEASE_DIR for inspection" >&2
+  exit 1
+fi
+say "$failure; the rollback to $SS_PREVIOUS_LABEL failed too: $reason" >&2
+exit 2

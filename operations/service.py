@@ -1,0 +1,675 @@
+"""The SGLang service: a pinned CUDA 13 systemd unit, restarted only when needed, health-gated.
+
+The unit names the active release's python by its release path, so a release switch, a patch-set
+change (its digest is in the unit), a flag or an environment change is a unit change; the
+secrets file is compared by hash. A restart happens only when the fingerprint of unit + secrets
+differs from the one recorded after the last healthy start (or the service is not running), so a
+converged host is left untouched. After a restart the health gate waits for GET /health, sends
+one POST /generate and, on failure, re-activates the last known-good release and unit.
+
+Hosts restart a batch at a time (`rollout_batch`, via pyinfra's per-operation `_parallel`) and the
+roll-out stops once more than `rollout_failure_budget` hosts failed their health gate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from io import StringIO
+from weakref import WeakKeyDictionary
+
+import jinja2
+from pyinfra import host, logger
+from pyinfra.api import FileUploadCommand, QuoteString, StringCommand, deploy, operation
+from pyinfra.api.output import format_text
+from pyinfra.facts.files import FileContents, Sha256File
+from pyinfra.facts.server import Groups, Which
+from pyinfra.operations import server
+from pyinfra.operations.util.files import generate_color_diff
+
+from facts.service import (PatchsetDigest, PathOwner, Releases, ServiceRecord, UnitState, UnreadableBy,
+                           UserEntry, VenvTarget, release_id_of)
+from operations import venv as venv_step
+from operations.releases import Release, release_at
+from servestack.errors import ConfigError
+from servestack.manifest import PROJECT_ROOT
+from servestack.settings import Settings, host_settings
+
+TEMPLATES = PROJECT_ROOT / "files" / "templates"
+UNIT_TEMPLATE = TEMPLATES / "sglang.service.j2"
+GATE_SCRIPT = TEMPLATES / "sglang-health-gate.sh"
+UNIT_DIR = "/etc/systemd/system"
+SECRETS_DIR = "/etc/servestack"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+GPU_GROUPS = ("video", "render")  # own /dev/nvidia*, /dev/dri on distributions that restrict them
+FIRST_LOGIN_UID = 1000
+GENERATE_REQUEST = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+GENERATE_TIMEOUT_S = 300
+RUNNING_STATES = ("active", "activating", "reloading")
+PENDING_RELEASE = "(the release the venv step activates)"
+VENV_HISTORY = "releases.json"  # the venv step's activation history in the state dir (files/scripts/ml_env.py)
+
+# Environment pinned by servestack: host data may not override these (service_env / secrets).
+PINNED_ENV = ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "FLASHINFER_WORKSPACE_BASE",
+              "TRITON_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "HOME",
+              "SERVESTACK_RELEASE", "SERVESTACK_PATCHSET")
+
+# Flags servestack builds from host data; service_extra_args may not repeat them (sglang aliases too).
+MANAGED_FLAGS = ("--model-path", "--model", "--tp", "--tp-size", "--tensor-parallel-size",
+                 "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft-model",
+                 "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+                 "--attention-backend", "--enable-torch-symm-mem", "--enable-flashinfer-allreduce-fusion",
+                 "--host", "--port")
+
+
+@dataclass(frozen=True)
+class NoEffect:
+    """A setting known to do nothing for a package version on some GPU architectures."""
+
+    setting: str
+    package: str
+    version: str
+    working_majors: tuple[int, ...]
+    why: str
+
+
+# Knowledge about specific releases (docs: /work/shared/notes/stack-facts.md), matched against
+# the version the manifest installs; an unlisted version gets no warning.
+NO_EFFECT = (
+    NoEffect("service_enable_flashinfer_allreduce_fusion", "sglang", "0.5.9", (9, 10),
+             "sglang 0.5.9 gates --enable-flashinfer-allreduce-fusion to SM90/SM100 and FlashInfer "
+             "builds that kernel only for compute capability majors 9 and 10"),
+)
+
+
+class Secret(str):
+    """A secret value: its repr never shows it, should it end up in a log line."""
+
+    def __repr__(self) -> str:
+        return "<secret>"
+
+
+# -- paths -----------------------------------------------------------------------------------------
+
+def release(settings: Settings, release_id: str) -> Release:
+    return release_at(settings.venv_releases_dir, release_id)
+
+
+def unit_path(settings: Settings) -> str:
+    return f"{UNIT_DIR}/{settings.service_name}"
+
+
+def secrets_path(settings: Settings) -> str:
+    return f"{SECRETS_DIR}/{settings.service_name}.env"
+
+
+def state_dir(settings: Settings) -> str:
+    return f"{settings.servestack_state_dir}/service"
+
+
+def record_path(settings: Settings) -> str:
+    return f"{state_dir(settings)}/{settings.service_name}.json"
+
+
+def good_unit_path(settings: Settings) -> str:
+    return f"{state_dir(settings)}/{settings.service_name}.good"
+
+
+def home_dir(settings: Settings) -> str:
+    return f"/var/lib/{settings.service_user}"
+
+
+def cache_dir(settings: Settings, release_id: str) -> str:
+    """JIT caches for one toolkit + release: kernels built by one nvcc are never reused by another."""
+    return f"{settings.service_cache_dir}/{settings.cuda_version}-{release_id}"
+
+
+def check_url(settings: Settings) -> str:
+    """Where the health gate reaches the server from the host itself."""
+    address = settings.service_host
+    if address in ("0.0.0.0", "::", "localhost", ""):
+        address = "127.0.0.1"
+    elif ":" in address:
+        address = f"[{address}]"
+    return f"http://{address}:{settings.service_port}"
+
+
+# -- validation and warnings -----------------------------------------------------------------------
+
+def service_problems(settings: Settings) -> list[str]:
+    """What in the host's service data cannot make a working unit (settings.py checks types/ranges)."""
+    problems = []
+    if settings.service_user == "root":
+        problems.append("'service_user': expected a dedicated unprivileged user, got 'root'")
+    for key in ("service_model_path", "service_draft_model_path", "service_attention_backend", "service_host"):
+        if re.search(r"[\s\x00-\x1f]", getattr(settings, key)):
+            problems.append(f"'{key}': expected no whitespace or control characters, got {getattr(settings, key)!r}")
+    if not _is_address(settings.service_host) and not re.fullmatch(r"[A-Za-z0-9.-]+", settings.service_host):
+        problems.append(f"'service_host': expected an IP address or host name, got {settings.service_host!r}")
+    for argument in settings.service_extra_args:
+        flag = argument.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            problems.append(f"'service_extra_args': {flag} is set from its own host-data key "
+                            f"(see README 'Host data'), not through extra args")
+        if "\n" in argument or "\x00" in argument:
+            problems.append(f"'service_extra_args': expected no newlines, got {argument!r}")
+    for key in ("service_env", "service_secret_env"):
+        for name in getattr(settings, key):
+            if name in PINNED_ENV:
+                problems.append(f"'{key}': {name} is pinned by servestack (CUDA {settings.cuda_version} "
+                                f"toolkit, per-release caches) and cannot be overridden")
+    for name, value in settings.service_env.items():
+        if "\n" in value or "\x00" in value:
+            problems.append(f"'service_env': {name} must be a single line")
+    return problems
+
+
+def _is_address(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def ineffective_settings(settings: Settings) -> list[str]:
+    """Warnings for enabled settings known to do nothing on this host's GPUs with the installed version."""
+    major = int(settings.gpu_compute_capability.split(".")[0])
+    warnings = []
+    for rule in NO_EFFECT:
+        try:
+            installed = settings.manifest.package(rule.package).version
+        except KeyError:
+            continue
+        if getattr(settings, rule.setting) and installed == rule.version and major not in rule.working_majors:
+            warnings.append(f"{rule.setting} is enabled but has no effect on SM{major}{_minor(settings)} "
+                            f"GPUs with {rule.package} {installed}: {rule.why}")
+    return warnings
+
+
+def _minor(settings: Settings) -> str:
+    return settings.gpu_compute_capability.split(".")[1]
+
+
+# -- the unit --------------------------------------------------------------------------------------
+
+def launch_arguments(settings: Settings) -> list[str]:
+    """`sglang.launch_server` arguments from the manifest defaults and host data."""
+    args = ["--model-path", settings.service_model_path, "--tp", str(settings.service_tp)]
+    if settings.service_speculative_algorithm != "NONE":
+        args += ["--speculative-algorithm", settings.service_speculative_algorithm,
+                 "--speculative-draft-model-path", settings.service_draft_model_path,
+                 "--speculative-num-steps", str(settings.service_speculative_num_steps),
+                 "--speculative-eagle-topk", str(settings.service_speculative_eagle_topk),
+                 "--speculative-num-draft-tokens", str(settings.service_speculative_num_draft_tokens)]
+    args += ["--attention-backend", settings.service_attention_backend]
+    if settings.service_enable_torch_symm_mem:
+        args.append("--enable-torch-symm-mem")
+    if settings.service_enable_flashinfer_allreduce_fusion:
+        args.append("--enable-flashinfer-allreduce-fusion")
+    args += ["--host", settings.service_host, "--port", str(settings.service_port)]
+    return args + list(settings.service_extra_args)
+
+
+def service_environment(settings: Settings, rel: Release, patchset: str | None) -> list[tuple[str, str]]:
+    """The unit's environment: the manifest's toolkit first, per-toolkit/release caches, then host data."""
+    cuda = settings.cuda_install_path
+    cache = cache_dir(settings, rel.id)
+    pinned = [
+        ("CUDA_HOME", cuda),
+        ("CUDA_PATH", cuda),
+        ("PATH", f"{cuda}/bin:{rel.venv}/bin:{SYSTEM_PATH}"),
+        ("LD_LIBRARY_PATH", f"{cuda}/lib64"),
+        ("FLASHINFER_WORKSPACE_BASE", cache),
+        ("TRITON_CACHE_DIR", f"{cache}/triton"),
+        ("SGLANG_DG_CACHE_DIR", f"{cache}/deep_gemm"),
+        ("TORCHINDUCTOR_CACHE_DIR", f"{cache}/inductor"),
+        ("HOME", home_dir(settings)),
+        ("SERVESTACK_RELEASE", rel.id),
+        ("SERVESTACK_PATCHSET", patchset or "none"),
+    ]
+    return pinned + sorted(settings.service_env.items())
+
+
+def systemd_escape(value: str) -> str:
+    """Escape specifiers (%) and variable expansion ($) for a systemd unit value."""
+    return value.replace("%", "%%").replace("$", "$$")
+
+
+def systemd_quote(value: str) -> str:
+    """One word of a systemd command line or Environment= assignment, quoted when needed."""
+    escaped = systemd_escape(value)
+    if value and re.fullmatch(r"[A-Za-z0-9_./:=,+@%$-]+", value):
+        return escaped
+    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def exec_start(settings: Settings, rel: Release) -> str:
+    """The command line, one flag (with its value) per continued line, so a diff shows the flag."""
+    lines = [f"{systemd_quote(rel.python)} -m {systemd_quote(settings.service_launch_module)}"]
+    for word in launch_arguments(settings):
+        if word.startswith("-") or len(lines) == 1:
+            lines.append(systemd_quote(word))
+        else:
+            lines[-1] += " " + systemd_quote(word)
+    return " \\\n    ".join(lines)
+
+
+def render_unit(settings: Settings, rel: Release, patchset: str | None,
+                supplementary_groups: tuple[str, ...] = (), with_secrets: bool = False) -> str:
+    """The unit text for `rel` (pure: same inputs, same bytes)."""
+    template = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
+    ).get_template(UNIT_TEMPLATE.name)
+    return template.render(
+        service_name=settings.service_name,
+        release_id=rel.id,
+        release_dir=rel.dir,
+        cuda_version=settings.cuda_version,
+        cuda_home=settings.cuda_install_path,
+        user=settings.service_user,
+        supplementary_groups=list(supplementary_groups),
+        home=home_dir(settings),
+        environment=[systemd_quote(f"{name}={value}")
+                     for name, value in service_environment(settings, rel, patchset)],
+        secrets_file=secrets_path(settings) if with_secrets else None,
+        exec_start=exec_start(settings, rel),
+        start_timeout_s=settings.service_start_timeout_s,
+    )
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprint(unit_text: str, secrets_sha: str | None) -> str:
+    """What the running service was started with: the unit bytes and the secrets file's hash."""
+    return sha256_text(f"unit {sha256_text(unit_text)}\nsecrets {secrets_sha or 'none'}\n")
+
+
+# -- secrets ---------------------------------------------------------------------------------------
+
+def secrets_content(host_name: str, names: tuple[str, ...], environ=os.environ) -> Secret | None:
+    """The secrets file from control-machine environment variables; None when none are configured.
+
+    Raises ConfigError naming every missing or unusable variable (never a value).
+    """
+    if not names:
+        return None
+    problems = []
+    for name in names:
+        value = environ.get(name)
+        if value is None:
+            problems.append(f"{name} is not set in the control machine's environment")
+        elif not value:
+            problems.append(f"{name} is set but empty in the control machine's environment")
+        elif "\n" in value or "'" in value or "\x00" in value:
+            problems.append(f"{name} contains a newline or a single quote, which the secrets file cannot hold")
+    if problems:
+        raise ConfigError("\n".join(f"host {host_name}: 'service_secret_env': {problem}" for problem in problems))
+    lines = ["# servestack: SGLang service secrets (root only); from the control machine's environment\n"]
+    lines += [f"{name}='{environ[name]}'\n" for name in names]
+    return Secret("".join(lines))
+
+
+# -- the health gate -------------------------------------------------------------------------------
+
+def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
+                     record: dict | None) -> dict[str, str]:
+    """Inputs of the health-gate script (files/templates/sglang-health-gate.sh)."""
+    previous = (record or {}).get("release")
+    if previous:
+        previous_venv = release(settings, previous).venv
+        label = f"release {previous}"
+    else:
+        previous_venv = ""
+        label = "the unit that ran before servestack managed it"
+    return {
+        "SS_UNIT": settings.service_name,
+        "SS_UNIT_PATH": unit_path(settings),
+        "SS_URL": check_url(settings),
+        "SS_HEALTH_TIMEOUT": str(settings.service_health_timeout_s),
+        "SS_GENERATE_TIMEOUT": str(GENERATE_TIMEOUT_S),
+        "SS_GENERATE_BODY": json.dumps(GENERATE_REQUEST),
+        "SS_RELEASE": rel.id,
+        "SS_RELEASE_DIR": rel.dir,
+        "SS_FINGERPRINT": unit_fingerprint,
+        "SS_STATE_DIR": state_dir(settings),
+        "SS_GOOD_UNIT": good_unit_path(settings),
+        "SS_RECORD": record_path(settings),
+        "SS_VENV_PATH": settings.venv_path,
+        "SS_PREVIOUS_RELEASE": previous or "",
+        "SS_PREVIOUS_VENV": previous_venv,
+        "SS_PREVIOUS_LABEL": label,
+        "SS_HISTORY": f"{settings.servestack_state_dir}/{VENV_HISTORY}",
+        "SS_PYTHON": settings.venv_python,
+    }
+
+
+def gate_command(environment: dict[str, str]) -> StringCommand:
+    assignments = [QuoteString(f"{name}={value}") for name, value in environment.items()]
+    return StringCommand("env", *assignments, "bash", "-c", QuoteString(GATE_SCRIPT.read_text()),
+                         "servestack-health-gate")
+
+
+def fail_command(message: str) -> StringCommand:
+    """A command that fails the host with `message` (pyinfra prints a failed command's output)."""
+    return StringCommand("echo", QuoteString(f"servestack: {message}"), ">&2", "&&", "false")
+
+
+# Hosts the roll-out stopped before restarting them, per run: they fail the operation too, but
+# did not fail a health gate, so they do not count against the failure budget.
+_STOPPED: "WeakKeyDictionary[object, set[str]]" = WeakKeyDictionary()
+
+
+def rollout_failures(state, op_hash: str) -> list[str]:
+    """Hosts whose health gate (this operation) has already failed in this run.
+
+    pyinfra runs an operation with `_parallel=N` batch after batch and fails hosts only once every
+    batch is done, so the roll-out's failure budget is enforced here, before each restart.
+    """
+    stopped = _STOPPED.get(state, set())
+    failed = []
+    for other in state.inventory:
+        op_data = state.ops.get(other, {}).get(op_hash)
+        if (op_data and op_data.operation_meta.is_complete() and op_data.operation_meta.did_error()
+                and other.name not in stopped):
+            failed.append(other.name)
+    return failed
+
+
+# -- facts the operations share ----------------------------------------------------------------------
+
+def active_release(settings: Settings) -> Release | None:
+    target = host.get_fact(VenvTarget, path=settings.venv_path)
+    release_id = release_id_of(target.get("target"), settings.venv_releases_dir)
+    return release(settings, release_id) if release_id else None
+
+
+def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[str, ...]) -> str:
+    patchset = host.get_fact(PatchsetDigest, release_dir=rel.dir) if rel.id != PENDING_RELEASE else None
+    return render_unit(settings, rel, patchset, supplementary_groups, bool(settings.service_secret_env))
+
+
+def _release_or_pending(settings: Settings) -> Release | None:
+    """The release the unit runs: the active one when the deploy runs.
+
+    While only predicting (prepare, ``--dry``) the venv step has not switched anything yet: the
+    release it plans to activate in this run, else the active one, else a placeholder.
+    """
+    if host.state.is_executing:
+        return active_release(settings)
+    return venv_step.planned_only() or active_release(settings) or release(settings, PENDING_RELEASE)
+
+
+def local_model_paths(settings: Settings) -> list[str]:
+    """Model paths on the host's disk (others are hub ids, downloaded into the service user's home)."""
+    paths = [settings.service_model_path]
+    if settings.service_speculative_algorithm != "NONE":
+        paths.append(settings.service_draft_model_path)
+    return [path for path in paths if path.startswith("/")]
+
+
+def _no_release_message(settings: Settings) -> str:
+    return (f"{settings.venv_path} does not point at a release under {settings.venv_releases_dir}: "
+            "run the venv step (build_release, activate_release) before the service step")
+
+
+# -- operations ------------------------------------------------------------------------------------
+
+@operation()
+def cache_directory(settings: Settings):
+    """
+    Create the JIT cache directory of the active release, owned by the service user.
+
+    + settings: the host's validated settings (``servestack.settings.host_settings``)
+
+    The directory is ``<service_cache_dir>/<cuda_version>-<release id>``: kernels compiled by
+    one toolkit for one release are never picked up by another.
+    """
+    rel = _release_or_pending(settings)
+    if rel is None:
+        yield fail_command(_no_release_message(settings))
+        return
+    path = cache_dir(settings, rel.id)
+    found = host.get_fact(PathOwner, path=path)
+    if found == {"owner": settings.service_user, "mode": "750"}:
+        host.noop(f"cache directory {path} exists")
+        return
+    user = shlex.quote(settings.service_user)
+    yield StringCommand("install", "-d", "-m", "755", "-o", "root", "-g", "root",
+                        QuoteString(settings.service_cache_dir))
+    yield StringCommand("install", "-d", "-m", "750", "-o", user, "-g", user, QuoteString(path))
+
+
+@operation()
+def secrets_file(settings: Settings, content: Secret | None):
+    """
+    Write the service's secrets file (root, 0600) or remove it when no secrets are configured.
+
+    + settings: the host's validated settings
+    + content: the file's text (from ``secrets_content``), or None for no secrets file
+
+    The file is compared by sha256. Its content is never logged or diffed: with ``--diff`` the
+    operation says only that the secrets file changed. The text is uploaded into a file that is
+    0600 before any byte is written, through a private (0700) temporary directory.
+    """
+    path = secrets_path(settings)
+    current = host.get_fact(Sha256File, path=path)
+    if content is None:
+        if current is None:
+            host.noop("no secrets configured and no secrets file")
+            return
+        if host.state.config.DIFF:
+            host.log(f"Will remove the secrets file {path} (service_secret_env is empty)", logger.info)
+        yield StringCommand("rm", "-f", QuoteString(path))
+        return
+    if current == sha256_text(content):
+        host.noop(f"secrets file {path} is current")
+        return
+    if host.state.config.DIFF:
+        host.log(f"{format_text('secrets file changed', bold=True)}: {path} (content not shown)", logger.info)
+    staging = f"{path}.servestack-new"
+    private_dir = host.get_temp_filename(f"servestack-secrets-{path}")
+    yield StringCommand("install", "-d", "-m", "700", "-o", "root", "-g", "root", SECRETS_DIR)
+    yield StringCommand("install", "-m", "600", "-o", "root", "-g", "root", "/dev/null", QuoteString(staging))
+    yield StringCommand("rm", "-rf", QuoteString(private_dir), "&&", "mkdir", "-m", "700",
+                        QuoteString(private_dir), _sudo=False)
+    yield FileUploadCommand(StringIO(content), staging, remote_temp_filename=f"{private_dir}/secrets")
+    yield StringCommand("rm", "-rf", QuoteString(private_dir), _sudo=False)
+    yield StringCommand("mv", "-f", QuoteString(staging), QuoteString(path))
+
+
+@operation()
+def unit(settings: Settings, supplementary_groups: tuple[str, ...] = (), pre_deploy_venv: dict | None = None):
+    """
+    Render the unit for the active release, install it, keep a copy in the release, enable it.
+
+    + settings: the host's validated settings
+    + supplementary_groups: groups giving the service user the GPU devices (``video``, ``render``)
+    + pre_deploy_venv: the ``VenvTarget`` fact read before the deploy changed anything; names the
+      release a unit servestack did not write belongs to, the first time servestack replaces it
+
+    The first time servestack replaces a unit it did not write, that unit is kept as the last
+    known-good one, so a failed first restart goes back to it. ``--diff`` shows the unit's diff.
+    Writing the unit never restarts the service: ``restart`` decides that.
+    """
+    rel = _release_or_pending(settings)
+    if rel is None:
+        yield fail_command(_no_release_message(settings))
+        return
+    if not host.get_fact(Which, command="curl"):
+        yield fail_command("curl is needed on the host for the service health gate; install it "
+                           "(the service was not touched)")
+        return
+    state = host.get_fact(UnitState, unit=settings.service_name)
+    if state.get("SystemdRunning") == "no":
+        yield fail_command("systemd is not the init system here (no /run/systemd/system): "
+                           f"{settings.service_name} cannot run on this host")
+        return
+    text = desired_unit(settings, rel, supplementary_groups)
+    path = unit_path(settings)
+    current_sha = host.get_fact(Sha256File, path=path)
+    copy_path = f"{rel.dir}/{settings.service_name}"
+    changes_unit = current_sha != sha256_text(text)
+    commands = []
+    if changes_unit:
+        current_lines = host.get_fact(FileContents, path=path) or []
+        if current_sha and host.get_fact(ServiceRecord, path=record_path(settings)) is None:
+            commands += _baseline_commands(settings, current_lines, pre_deploy_venv)
+        if host.state.config.DIFF:
+            _log_unit_diff(path, current_lines, text)
+        commands += _upload_commands(text, path)
+        commands.append(StringCommand("systemctl", "daemon-reload"))
+    elif state.get("NeedDaemonReload") == "yes":
+        commands.append(StringCommand("systemctl", "daemon-reload"))
+    if rel.id != PENDING_RELEASE and host.get_fact(Sha256File, path=copy_path) != sha256_text(text):
+        commands += _upload_commands(text, copy_path)
+    if state.get("UnitFileState") != "enabled":
+        commands.append(StringCommand("systemctl", "enable", "--", QuoteString(settings.service_name)))
+    if not commands:
+        host.noop(f"{path} is current for release {rel.id}")
+        return
+    yield from commands
+
+
+def _upload_commands(text: str, dest: str) -> list:
+    staging = f"{dest}.servestack-new"
+    return [
+        FileUploadCommand(StringIO(text), staging, remote_temp_filename=host.get_temp_filename(staging)),
+        StringCommand("chown", "root:root", QuoteString(staging), "&&", "chmod", "644", QuoteString(staging),
+                      "&&", "mv", "-f", QuoteString(staging), QuoteString(dest)),
+    ]
+
+
+def _baseline_commands(settings: Settings, current_lines: list[str], pre_deploy_venv: dict | None) -> list:
+    """Keep the unit servestack is about to replace for the first time as the last known-good one."""
+    release_id = _release_of_unit(settings, current_lines) or _pre_deploy_release(settings, pre_deploy_venv)
+    record = json.dumps({"fingerprint": None, "release": release_id, "unit": unit_path(settings),
+                         "baseline": "the unit found before servestack first replaced it"})
+    return [
+        StringCommand("install", "-d", "-m", "755", QuoteString(state_dir(settings))),
+        StringCommand("install", "-m", "644", QuoteString(unit_path(settings)), QuoteString(good_unit_path(settings))),
+        StringCommand("printf", "'%s\\n'", QuoteString(record), ">", QuoteString(record_path(settings))),
+    ]
+
+
+def _release_of_unit(settings: Settings, lines: list[str]) -> str | None:
+    """The release a unit's ExecStart runs from, when it names `<releases_dir>/<id>/venv/bin/...`."""
+    for line in lines:
+        if line.startswith("ExecStart="):
+            program = line[len("ExecStart="):].split()[0].strip('"')
+            return release_id_of(program.rsplit("/bin/", 1)[0], settings.venv_releases_dir)
+    return None
+
+
+def _pre_deploy_release(settings: Settings, pre_deploy_venv: dict | None) -> str | None:
+    """The release the venv path pointed at before this deploy (a hand-made venv: its adopted release)."""
+    pre = pre_deploy_venv or {}
+    if pre.get("kind") == "link":
+        return release_id_of(pre.get("target"), settings.venv_releases_dir)
+    if pre.get("kind") == "directory":
+        adopted = [name for name in host.get_fact(Releases, releases_dir=settings.venv_releases_dir)
+                   if name.startswith("adopted-")]
+        return max(adopted) if adopted else None
+    return None
+
+
+def _log_unit_diff(path: str, current_lines: list[str], text: str) -> None:
+    host.log(f"Will {'modify' if current_lines else 'create'} {format_text(path, bold=True)}", logger.info)
+    for line in generate_color_diff([line + "\n" for line in current_lines], text.splitlines(keepends=True)):
+        logger.info("  %s", line)
+    logger.info("")
+
+
+@operation()
+def restart(settings: Settings, secrets_sha: str | None = None, supplementary_groups: tuple[str, ...] = ()):
+    """
+    Restart the service when what it runs with changed, gate it on health, roll back on failure.
+
+    + settings: the host's validated settings
+    + secrets_sha: sha256 of the desired secrets file (None: no secrets file)
+    + supplementary_groups: as given to ``unit`` (part of the rendered unit)
+
+    No restart when the unit + secrets fingerprint equals the one recorded after the last healthy
+    start and the service is running. Otherwise: restart, wait for GET /health (200 within
+    ``service_health_timeout_s``), one POST /generate with a non-empty answer; on failure the
+    last known-good release and unit are re-activated and restarted, and the host fails with a
+    message saying what failed and that it was rolled back. Run it with ``_parallel=rollout_batch``.
+    """
+    rel = _release_or_pending(settings)
+    if rel is None:
+        yield fail_command(_no_release_message(settings))
+        return
+    wanted = fingerprint(desired_unit(settings, rel, supplementary_groups), secrets_sha)
+    record = host.get_fact(ServiceRecord, path=record_path(settings))
+    state = host.get_fact(UnitState, unit=settings.service_name)
+    active = state.get("ActiveState", "unknown")
+    if record and record.get("fingerprint") == wanted and active in RUNNING_STATES:
+        host.noop(f"{settings.service_name} runs release {rel.id} as last verified healthy; not restarted")
+        return
+    local_paths = local_model_paths(settings)
+    unreadable = host.get_fact(UnreadableBy, user=settings.service_user, paths=local_paths) if local_paths else []
+    if unreadable:
+        yield fail_command(f"the service user {settings.service_user} cannot read {', '.join(unreadable)} "
+                           "(service_model_path / service_draft_model_path): grant it read access; "
+                           f"{settings.service_name} was not restarted")
+        return
+    if host.state.is_executing:
+        failed = rollout_failures(host.state, host.current_op_hash)
+        if len(failed) > settings.rollout_failure_budget:
+            _STOPPED.setdefault(host.state, set()).add(host.name)
+            yield fail_command(
+                f"{settings.service_name} not restarted: the roll-out stopped after {len(failed)} host(s) "
+                f"failed their health gate ({', '.join(sorted(failed))}; rollout_failure_budget="
+                f"{settings.rollout_failure_budget})")
+            return
+    why = ("what it runs with changed" if record and active in RUNNING_STATES
+           else f"it is {active}" if record else "no healthy start recorded yet")
+    verb = "restarting" if host.state.is_executing else "will restart"
+    host.log(f"{verb} {settings.service_name} on release {rel.id}: {why}", logger.info)
+    yield gate_command(gate_environment(settings, rel, wanted, record))
+
+
+@deploy("SGLang service")
+def sglang_service():
+    """The service user, its cache, secrets, unit and a health-gated restart, a batch of hosts at a time."""
+    settings = host_settings(host)
+    problems = service_problems(settings)
+    if problems:
+        raise ConfigError("\n".join(f"host {host.name}: {problem}" for problem in problems))
+    secrets = secrets_content(host.name, settings.service_secret_env)
+    for warning in ineffective_settings(settings):
+        logger.warning(f"{host.print_prefix}{warning}")
+    _refuse_login_user(settings)
+    groups = tuple(group for group in GPU_GROUPS if group in host.get_fact(Groups))
+    server.user(
+        name=f"Service user {settings.service_user}",
+        user=settings.service_user,
+        system=True,
+        shell="/usr/sbin/nologin",
+        home=home_dir(settings),
+        groups=list(groups),
+        comment="SGLang service (servestack)",
+    )
+    cache_directory(name="Service JIT cache directory", settings=settings)
+    secrets_file(name="Service secrets file", settings=settings, content=secrets)
+    unit(name=f"Unit {settings.service_name}", settings=settings, supplementary_groups=groups,
+         pre_deploy_venv=host.get_fact(VenvTarget, path=settings.venv_path))
+    restart(name=f"Health-gated restart of {settings.service_name}", settings=settings,
+            secrets_sha=sha256_text(secrets) if secrets else None, supplementary_groups=groups,
+            _parallel=settings.rollout_batch)
+
+
+def _refuse_login_user(settings: Settings) -> None:
+    entry = host.get_fact(UserEntry, user=settings.service_user)
+    if entry and entry["uid"] >= FIRST_LOGIN_UID:
+        raise ConfigError(f"host {host.name}: 'service_user': {settings.service_user} is an existing login "
+                          f"user (uid {entry['uid']}); the service runs as a dedicated system user: "
+                          "pick a name that does not exist yet (default 'sglang')")

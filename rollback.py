@@ -1,0 +1,28 @@
+"""Re-activate the previous ML environment release on each host.
+
+    pyinfra inventory.py rollback.py --dry --diff                    # what would change
+    pyinfra inventory.py rollback.py                                 # roll back
+    pyinfra inventory.py rollback.py --data venv_rollback_to=r-0123456789ab   # to a named release
+
+What "previous" means: the release that was active before the most recent *deploy* switched
+`venv_path` (default /opt/ml-env). A rollback is not a deploy, so running rollback.py twice leaves
+the host where the first run put it (the second run changes nothing). To roll forward, run
+deploy.py again: the newer release is kept, so it is re-activated without being rebuilt. A
+hand-made venv adopted on the first deploy is a release too (`adopted-<UTC timestamp>`), so the
+first rollback returns to it. `servestack backups inventory.py` and
+`<venv_releases_dir>/*/release.json` on the host show what is kept.
+
+A host with nothing to roll back to (no deploy switched it yet, or the previous release was
+pruned or never passed its checks) fails with a message saying so; nothing is changed on it.
+Before switching, the active environment is snapshotted like in deploy.py; after it, the service
+step re-renders the unit for the re-activated release (its ExecStart names the release's python)
+and restarts it through the same health gate as deploy.py.
+"""
+
+from operations import base, preflight, service, venv
+
+base.servestack_base()
+if preflight.preflight():
+    venv.rollback()
+    service.sglang_service()
+    preflight.release_lock()

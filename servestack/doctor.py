@@ -1,0 +1,159 @@
+"""`servestack doctor INVENTORY [--limit L] [--json]`: the preflight checks as a report, changing nothing.
+
+For each host of the inventory (group data applied, --limit honoured): its settings, whether it
+can be reached, then every preflight check (operations/preflight.py) read from the same single
+fact the deploy uses. A rich table per host, or with --json one object with stable check names::
+
+    {"ok": false, "hosts": {"gpu-node-01": {"ok": false, "checks": {
+        "settings": {"status": "ok", "detail": "...", "problems": []},
+        "connect": {...}, "driver": {...}, "gpus": {...}, "compute_capability": {...}, "arch": {...},
+        "install_path": {...}, "runfile": {...}, "disk": {...}, "lock": {...}, "link": {...},
+        "kept_toolkits": {...}}}}}
+
+status is "ok", "warn" (reported only), "fail" or "skip". Exit status 0 when no check fails, else 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from servestack.errors import ConfigError
+
+REPORT_CHECKS = ("settings", "connect")
+
+
+@dataclass(frozen=True)
+class HostReport:
+    name: str
+    checks: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(check.status != "fail" for check in self.checks)
+
+
+def report_for(name: str, settings, facts, error: str | None, connect_error: str | None = None) -> HostReport:
+    """A host's checks: settings, connect, then the preflight checks (skipped when they cannot run)."""
+    from operations.preflight import CHECKS, Check, evaluate
+
+    checks = []
+    if settings is None:
+        checks.append(Check("settings", "fail", error or "invalid", (error or "invalid",)))
+    else:
+        checks.append(Check("settings", "fail", error, (error,)) if error else Check("settings", "ok", "valid"))
+    if settings is None or error:
+        checks.append(Check("connect", "skip", "not attempted"))
+    elif connect_error or facts is None:
+        problem = connect_error or "connected, but could not read the host (sudo?)"
+        checks.append(Check("connect", "fail", problem, (problem,)))
+    else:
+        checks.append(Check("connect", "ok", "connected"))
+    if settings is None or error or facts is None:
+        return HostReport(name, checks + [Check(name_, "skip", "host not checked") for name_ in CHECKS])
+    return HostReport(name, checks + evaluate(settings, facts))
+
+
+def render_json(reports: dict[str, HostReport]) -> str:
+    hosts = {name: {"ok": report.ok,
+                    "checks": {check.name: {"status": check.status, "detail": check.detail,
+                                            "problems": list(check.problems)} for check in report.checks}}
+             for name, report in reports.items()}
+    return json.dumps({"ok": all(report.ok for report in reports.values()), "hosts": hosts}, indent=2)
+
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def render_table(reports: dict[str, HostReport], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="servestack doctor (nothing was changed)", show_lines=False)
+    for column in ("host", "check", "status", "detail"):
+        table.add_column(column, overflow="fold")
+    for name, report in reports.items():
+        for index, check in enumerate(report.checks):
+            style = _STYLE.get(check.status, "")
+            table.add_row(name if index == 0 else "", check.name, f"[{style}]{check.status}[/]", check.detail,
+                          end_section=index == len(report.checks) - 1)
+    console.print(table)
+    failed = [name for name, report in reports.items() if not report.ok]
+    console.print(f"[bold red]{len(failed)} of {len(reports)} hosts would be refused:[/] {', '.join(failed)}"
+                  if failed else f"[green]all {len(reports)} hosts pass preflight[/]")
+
+
+def _load(inventory_path: str, limit):
+    """A pyinfra State initialised with the inventory; the hosts in the limit."""
+    from pyinfra.api import Config, State
+    from pyinfra.context import ctx_state
+    from pyinfra_cli.exceptions import CliError
+    from pyinfra_cli.inventory import make_inventory
+
+    from servestack.verify import _apply_limit, split_patterns
+
+    if not os.path.isfile(inventory_path):
+        raise ConfigError(f"{inventory_path}: inventory file not found")
+    state = State()
+    with ctx_state.use(state):
+        try:
+            inventory = make_inventory(str(inventory_path), cwd=os.getcwd())
+        except CliError as error:
+            raise ConfigError(f"{inventory_path}: {error}") from None
+    hosts = _apply_limit(inventory, split_patterns(limit))
+    state.init(inventory, Config(), initial_limit=hosts)
+    return state, hosts
+
+
+def _check_host(state, host) -> HostReport:
+    from pyinfra.api.exceptions import PyinfraError
+    from pyinfra.context import ctx_host, ctx_state
+
+    from facts.preflight import HostPreflight
+    from operations.preflight import preflight_fact_arguments
+    from servestack.settings import host_settings
+    from servestack.targets import target_problem
+
+    try:
+        settings = host_settings(host)
+    except ConfigError as error:
+        return report_for(host.name, None, None, str(error))
+    problem = target_problem(host)
+    if problem:
+        return report_for(host.name, settings, None, f"not checked: {problem}")
+    with ctx_state.use(state), ctx_host.use(host):
+        host.connect(show_errors=False)
+        if not host.connected:
+            return report_for(host.name, settings, None, None, "cannot connect")
+        state.activate_host(host)
+        try:
+            facts = host.get_fact(HostPreflight, **preflight_fact_arguments(settings))
+        except PyinfraError as error:
+            return report_for(host.name, settings, None, None, f"cannot read the host: {error}")
+    return report_for(host.name, settings, facts, None)
+
+
+def collect(state, hosts) -> dict[str, HostReport]:
+    """Every host's report, read in parallel; nothing is changed on any host."""
+    import gevent
+
+    greenlets = {host.name: state.pool.spawn(_check_host, state, host) for host in hosts}
+    gevent.joinall(list(greenlets.values()))
+    reports = {name: greenlet.get() for name, greenlet in greenlets.items()}
+    for host in hosts:
+        if host.connected:
+            host.disconnect()
+    return reports
+
+
+def doctor_main(inventory_path: str, limit=None, as_json: bool = False) -> int:
+    """Print the preflight report of the inventory's hosts; 0 when every host passes, else 1."""
+    state, hosts = _load(inventory_path, limit)
+    reports = collect(state, hosts)
+    if as_json:
+        print(render_json(reports))
+    else:
+        render_table(reports)
+    return 0 if all(report.ok for report in reports.values()) else 1

@@ -1,0 +1,107 @@
+"""Preflight on sandbox hosts: `servestack doctor` (table, --json, exit status, changes nothing) and
+the host lock across a control machine that dies mid-run (kill -9 of pyinfra)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from servestack.sandbox.standins.nvidia_smi import Gpu
+from toolkit_lab import REPO, start_toolkit_lab
+
+pytestmark = pytest.mark.integration
+
+DEPLOY = "tests/integration/deploys/toolkit.py"
+BUSY = "/var/lib/servestack/lock.busy"
+
+
+@pytest.fixture(scope="module")
+def pf(sandbox_rootfs, sandbox_name, tmp_path_factory):
+    lab = start_toolkit_lab(sandbox_name("pf"), tmp_path_factory.mktemp("preflight"), hosts=3, rootfs=sandbox_rootfs)
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+def doctor(pf, *args: str) -> subprocess.CompletedProcess:
+    inventory = pf.write_inventory()
+    argv = pf.lab.controller_argv([sys.executable, "-m", "servestack.cli", "doctor", str(inventory), *args])
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_doctor_reports_every_check_and_changes_nothing(pf):
+    h1, h2 = pf.host("h1"), pf.host("h2")
+    pf.scenario(h1, "doctor-good")
+    pf.scenario(h2, "doctor-bad")
+    pf.set_gpu(h2, Gpu(name="NVIDIA H200", compute_cap="9.0", driver_version="575.57.08"))
+    before = {host.name: pf.lab.fingerprint(host) for host in (h1, h2)}
+    result = doctor(pf, "--json", "--limit", "h1,h2")
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is False
+    good, bad = report["hosts"]["h1"], report["hosts"]["h2"]
+    assert good["ok"] is True
+    assert list(good["checks"]) == ["settings", "connect", "driver", "gpus", "compute_capability", "arch",
+                                    "install_path", "runfile", "disk", "lock", "link", "kept_toolkits"]
+    assert {name for name, check in bad["checks"].items() if check["status"] == "fail"} == {
+        "driver", "compute_capability"}
+    assert "GPU 0 (NVIDIA H200" in bad["checks"]["compute_capability"]["detail"]
+    assert {host.name: pf.lab.fingerprint(host) for host in (h1, h2)} == before
+    only_good = doctor(pf, "--json", "--limit", "h1")
+    assert only_good.returncode == 0 and list(json.loads(only_good.stdout)["hosts"]) == ["h1"]
+    table = doctor(pf, "--limit", "h2")
+    assert table.returncode == 1
+    assert "compute_capability" in table.stdout and "1 of 1 hosts would be refused" in table.stdout
+
+
+def busy(pf, host) -> bool:
+    """Whether a servestack command (download, installer) holds the host's busy lock right now."""
+    return pf.lab.exec(host, f"test -e {BUSY} && ! flock -n {BUSY} true").returncode == 0
+
+
+def test_lock_of_a_dead_control_machine_is_found_stale(pf):
+    host = pf.host("h3")
+    path = pf.scenario(host, "slow")
+    pf.server_call("add_fault", path, "cut", after=0)          # every download attempt fails: a slow run
+    inventory = pf.write_inventory()
+    argv = pf.lab.controller_argv([str(REPO / ".venv/bin/pyinfra"), "-y", "--limit", "h3", str(inventory),
+                                   str(REPO / DEPLOY)])
+    run = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not busy(pf, host):
+            assert run.poll() is None and time.monotonic() < deadline, "the run never started its download"
+            time.sleep(0.2)
+        os.kill(run.pid, signal.SIGKILL)                       # the control machine dies mid-download
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.wait()
+    lock = json.loads(pf.sh(host, "cat /var/lib/servestack/lock"))
+
+    held = json.loads(doctor(pf, "--json", "--limit", "h3").stdout)["hosts"]["h3"]["checks"]["lock"]
+    assert held["status"] == "fail" and "still running on the host" in held["detail"]
+
+    deadline = time.monotonic() + 60
+    while busy(pf, host):                                      # the orphaned download gives up
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    stale = json.loads(doctor(pf, "--json", "--limit", "h3").stdout)["hosts"]["h3"]["checks"]["lock"]
+    assert stale["status"] == "warn" and f"run {lock['run_id']}" in stale["detail"] and "stale" in stale["detail"]
+
+    pf.server_call("reset")
+    result = pf.pyinfra(DEPLOY, limit=["h3"])
+    assert result.returncode == 0, result.output[-4000:]
+    assert re.search(rf"replaced a stale lock: .*\"run_id\": \"{lock['run_id']}\"", result.output) or \
+        "stale lock" in result.output
+    assert "release 13.0, V13.0.88" in pf.sh(host, "/usr/local/cuda-13.0/bin/nvcc --version")
+    assert not pf.exists(host, "/var/lib/servestack/lock")

@@ -1,0 +1,224 @@
+"""The verification suite against sandbox GPU-host stand-ins over real SSH, run as users run it:
+`pytest tests/verify --inventory INVENTORY` in the lab's controller namespace, read back from JUnit XML.
+
+A suite that cannot fail proves nothing: on hosts before the upgrade, and on converged hosts broken on
+purpose (a wrong torch local label, a modified patched file, a stopped service, a changed CUDA 12.8
+file), the matching check must fail, and on a converged host every check that needs no real GPU must
+pass. Checks needing a real GPU (the CUDA sample, torch on the GPU) are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from servestack import checks
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+# What cannot run without a real GPU: the sandbox's nvidia-smi is a stand-in, there is no
+# /dev/nvidiactl, and the stand-in torch reports no CUDA device.
+NEEDS_A_GPU = {"cuda_sample": "no /dev/nvidiactl on {host}: no GPU device the CUDA runtime could open",
+               "torch_device_capability": "torch.cuda.is_available() is False on {host}",
+               "torch_cuda_op": "torch.cuda.is_available() is False on {host}",
+               "sglang_sm120": "torch.cuda.is_available() is False on {host}"}
+
+
+@dataclass
+class SuiteRun:
+    returncode: int
+    output: str
+    outcomes: dict  # (host, check) -> (status, message)
+
+    def status(self, host: str, check: str) -> str:
+        return self.outcomes[(host, check)][0]
+
+    def message(self, host: str, check: str) -> str:
+        return self.outcomes[(host, check)][1]
+
+    def of_host(self, host: str, status: str) -> set[str]:
+        return {check for (name, check), (found, _) in self.outcomes.items() if name == host and found == status}
+
+
+def junit_outcomes(path: Path) -> dict:
+    outcomes = {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+        status, message = checks.PASSED, ""
+        for tag, name in (("failure", checks.FAILED), ("error", checks.FAILED), ("skipped", checks.SKIPPED)):
+            element = case.find(tag)
+            if element is not None:
+                status, message = name, element.get("message", "").removeprefix("Failed: ").removeprefix("Skipped: ")
+        outcomes[(properties["servestack_host"], properties["servestack_check"])] = (status, message)
+    return outcomes
+
+
+def run_suite(lab, tmp_path: Path, *args: str) -> SuiteRun:
+    junit = tmp_path / "verify-junit.xml"
+    argv = [sys.executable, "-m", "pytest", "tests/verify", "--inventory", str(lab.inventory_path),
+            f"--junitxml={junit}", "-p", "no:cacheprovider", "-q", "-rs", *args]
+    proc = subprocess.run(lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert junit.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return SuiteRun(proc.returncode, proc.stdout + proc.stderr, junit_outcomes(junit))
+
+
+def sh(lab, host, command: str) -> str:
+    proc = lab.exec(host, command)
+    assert proc.returncode == 0, f"{host.name}: {command!r}: {proc.stderr}"
+    return proc.stdout
+
+
+# --- before the upgrade: the suite works over SSH and fails what is not there yet ----------------
+
+
+def test_before_the_upgrade_the_suite_fails_the_old_stack_over_ssh(lab, tmp_path):
+    the_lab = lab(2, user="ubuntu")  # reached as a sudo user, as group_data/gpu_hosts.py does
+    first, second = (host.name for host in the_lab.hosts)
+    run = run_suite(the_lab, tmp_path)
+    assert run.returncode == 1, run.output[-3000:]
+    for host in (first, second):
+        # the stand-in driver answers: GPU checks run (and pass against the fleet's expectations)
+        assert {"driver_version", "gpu_capability", "gpu_count"} <= run.of_host(host, checks.PASSED)
+        assert run.message(host, "nvcc_version") == f"/usr/local/cuda-13.0 does not exist on {host}"
+        # the hand-made ml-env holds the CUDA 12.8 build: the local label tells it apart
+        assert run.message(host, "package_version[torch]").endswith(f"on {host}, expected 2.9.1+cu130")
+        assert "+cu128" in run.message(host, "package_version[torch]")
+        assert run.message(host, "torch_cuda_build").endswith("is built for CUDA 12.8, expected 13.0")
+        assert run.message(host, "cuda_sample") == NEEDS_A_GPU["cuda_sample"].format(host=host)
+        assert run.status(host, "service_active") == checks.FAILED
+
+
+def test_limit_and_the_table(lab, tmp_path):
+    the_lab = lab(2)
+    first, second = (host.name for host in the_lab.hosts)
+    run = run_suite(the_lab, tmp_path, "--limit", second, "-m", "not deployed")
+    assert {host for host, _ in run.outcomes} == {second}
+    argv = [sys.executable, "-m", "servestack.cli", "verify", str(the_lab.inventory_path), "--limit", first]
+    proc = subprocess.run(the_lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "servestack verify" in proc.stdout and first in proc.stdout and second not in proc.stdout
+    assert f"failed {first} nvcc_version: /usr/local/cuda-13.0 does not exist on {first}" in proc.stdout
+
+
+# --- converged hosts, then broken on purpose ----------------------------------------------------
+
+
+BREAKS = {
+    # a wrong torch local label in the active release
+    "torch_label": "m=$(ls -d /opt/ml-env/lib/python3*/site-packages/torch-*.dist-info)/METADATA; "
+                   "sed -i 's/^Version: \\(.*\\)+cu130$/Version: \\1+cu128/' $m",
+    # a patched file modified after the patches step recorded it
+    "patched_file": "f=$(ls /opt/ml-env/lib/python3*/site-packages/sglang/srt/distributed/device_communicators/"
+                    "all_reduce_utils.py); echo '# edited by hand' >> $f",
+    # the service stopped
+    "service": "systemctl stop sglang.service",
+    # a file of the kept CUDA 12.8 toolkit changed
+    "cuda_128": "f=$(find /usr/local/cuda-12.8/ -type f -name '*.so*' | head -n 1); echo x >> $f",
+}
+EXPECTED_FAILURE = {"torch_label": "package_version[torch]", "patched_file": "patches_applied",
+                    "service": "service_active", "cuda_128": "kept_toolkits"}
+
+
+# The upgrade in the order docs/design.md gives (deploy.py's steps), ending with the verification
+# step, plus one test-only operation: sandbox hosts cannot run SGLang, so the new release gets the
+# stand-in server of servestack/sandbox/standins, which `service_launch_module` makes the unit start.
+CONVERGE = """\
+import shlex
+
+from pyinfra.operations import server
+
+from operations import base, patches, preflight, service, toolkit, venv, verify
+
+STANDIN = shlex.quote(open({standin!r}).read())
+
+base.servestack_base()
+if preflight.preflight():
+    venv.backup()
+    toolkit.cuda_toolkit()
+    venv.build()
+    release = venv.planned_release()
+    patches.sglang_patches(name="SGLang patches", python=release.python, record_path=f"{{release.dir}}/patches.json")
+    server.shell(name="test only: the stand-in SGLang server in the release", commands=[
+        f"d=$({{release.python}} -c 'import sysconfig; print(sysconfig.get_paths()[\\"purelib\\"])') && "
+        f"printf '%s' {{STANDIN}} > $d/fake_sglang_server.py"])
+    venv.activate()
+    service.sglang_service()
+    verify.verify()
+    preflight.release_lock()
+"""
+LAB_DATA = {"service_launch_module": "fake_sglang_server", "service_health_timeout_s": 120}
+
+
+def verify_operation(run) -> dict:
+    """The deploy's verification step in a `--json` run's results."""
+    operations = json.loads(run.stdout)["results"]["operations"]
+    return next(op for op in operations if op["name"].startswith("servestack verify"))
+
+
+@pytest.fixture(scope="module")
+def converged(lab, tmp_path_factory):
+    """Five lab hosts converged: one left as it is, four broken one way each, and the suite's run."""
+    from pyinfra_run import run_pyinfra
+
+    workdir = tmp_path_factory.mktemp("verify")
+    deploy = workdir / "converge.py"
+    deploy.write_text(CONVERGE.format(standin=str(ROOT / "servestack" / "sandbox" / "standins" / "fake_sglang_server.py")))
+    the_lab = lab(5, host_data=LAB_DATA)
+    run = run_pyinfra(the_lab, "-y", "--json", target=str(deploy), timeout=1800)
+    assert run.returncode == 0, run.output[-6000:]
+    hosts = the_lab.hosts
+    for host, command in zip(hosts[1:], BREAKS.values()):
+        sh(the_lab, host, command)
+    breaks = {name: host.name for name, host in zip(BREAKS, hosts[1:])}
+    return the_lab, hosts[0].name, breaks, run_suite(the_lab, workdir), run
+
+
+def test_a_converged_host_passes_every_check_that_needs_no_gpu(converged):
+    _, good, _, run, _ = converged
+    assert run.of_host(good, checks.FAILED) == set(), run.output[-4000:]
+    skipped = run.of_host(good, checks.SKIPPED)
+    assert skipped == set(NEEDS_A_GPU)
+    for check in skipped:  # skipped with the fact that says why, never silently passed
+        assert run.message(good, check).endswith(NEEDS_A_GPU[check].format(host=good))
+
+
+@pytest.mark.parametrize("name", list(BREAKS))
+def test_each_broken_host_fails_the_matching_check(converged, name):
+    _, _, breaks, run, _ = converged
+    host = breaks[name]
+    assert run.status(host, EXPECTED_FAILURE[name]) == checks.FAILED, run.output[-4000:]
+
+
+def test_the_breaks_fail_only_what_they_touch(converged):
+    _, _, breaks, run, _ = converged
+    assert run.of_host(breaks["torch_label"], checks.FAILED) == {"package_version[torch]"}
+    assert run.of_host(breaks["patched_file"], checks.FAILED) == {"patches_applied"}
+    assert run.of_host(breaks["cuda_128"], checks.FAILED) == {"kept_toolkits"}
+    assert "service_active" in run.of_host(breaks["service"], checks.FAILED)
+    assert "must be enabled and active" in run.message(breaks["service"], "service_active")
+
+
+def test_the_deploys_last_step_verified_every_host_without_changing_anything(converged):
+    _, _, _, _, deploy_run = converged
+    step = verify_operation(deploy_run)
+    assert not step.get("error") and not step.get("success"), step  # passed on all five, changed nothing
+    assert "verify: cuda_sample skipped: no /dev/nvidiactl" in deploy_run.stderr
+
+
+def test_the_deploys_last_step_fails_a_broken_host(converged, tmp_path):
+    from pyinfra_run import run_pyinfra
+
+    the_lab, _, breaks, _, _ = converged
+    deploy = tmp_path / "verify_only.py"
+    deploy.write_text("from operations import verify\n\nverify.verify()\n")
+    run = run_pyinfra(the_lab, "-y", "--json", "--limit", breaks["cuda_128"], target=str(deploy))
+    assert run.returncode != 0
+    assert "kept_toolkits: on " + breaks["cuda_128"] in run.output
+    assert "/usr/local/cuda-12.8 changed since it was recorded: file list or sizes changed" in run.output

@@ -1,0 +1,341 @@
+"""The SGLang unit: flags, pinned environment, rendering, secrets, warnings and the restart decision inputs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from facts.service import (combine_digests, parse_properties, parse_record, parse_venv_target, release_id_of)
+from operations import service
+from servestack.errors import ConfigError
+from servestack.settings import settings_from_data
+from servestack.sandbox.standins import fake_sglang_server
+
+RELEASE_ID = "r-0123456789ab"
+PATCHSET = "ab" * 32
+
+
+def settings(**data):
+    return settings_from_data("gpu-01", data)
+
+
+def render(data=None, patchset=PATCHSET, groups=("video", "render"), with_secrets=False) -> str:
+    s = settings(**(data or {}))
+    return service.render_unit(s, service.release(s, RELEASE_ID), patchset, groups, with_secrets)
+
+
+def unit_values(text: str, key: str) -> list[str]:
+    return [line[len(key) + 1:] for line in text.splitlines() if line.startswith(key + "=")]
+
+
+# -- flags ------------------------------------------------------------------------------------------
+
+def test_launch_arguments_come_from_the_manifest_defaults():
+    assert service.launch_arguments(settings()) == [
+        "--model-path", "nvidia/Kimi-K2.5-NVFP4", "--tp", "8",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "lightseekorg/kimi-k2.5-eagle3",
+        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+        "--attention-backend", "flashinfer", "--enable-torch-symm-mem", "--host", "0.0.0.0", "--port", "30000",
+    ]
+
+
+def test_host_data_changes_flags_and_appends_extra_arguments():
+    args = service.launch_arguments(settings(
+        service_tp=4, service_speculative_algorithm="NONE", service_enable_torch_symm_mem=False,
+        service_enable_flashinfer_allreduce_fusion=True, service_port=31000,
+        service_extra_args=["--mem-fraction-static", "0.88"]))
+    assert "--speculative-algorithm" not in args and "--enable-torch-symm-mem" not in args
+    assert args[args.index("--tp") + 1] == "4" and args[args.index("--port") + 1] == "31000"
+    assert "--enable-flashinfer-allreduce-fusion" in args
+    assert args[-2:] == ["--mem-fraction-static", "0.88"]
+
+
+def test_the_stand_in_parses_exactly_what_the_unit_passes():
+    parsed = fake_sglang_server.parse(service.launch_arguments(settings(service_extra_args=["--log-level", "info"])))
+    assert (parsed.tp, parsed.speculative_num_draft_tokens, parsed.attention_backend) == (8, 4, "flashinfer")
+    with pytest.raises(SystemExit):
+        fake_sglang_server.parse(["--model-path", "m", "--no-such-flag"])
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"service_tp": 3}, "'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 3"),
+    ({"service_tp": 0}, "'service_tp': expected an integer from 1 to 64, got 0"),
+    ({"service_speculative_num_draft_tokens": 5}, "expected speculative_num_steps + 1 = 4 when speculative_eagle_topk is 1, got 5"),
+    ({"service_port": "30000"}, "'service_port': expected an integer from 1 to 65535"),
+    ({"service_enable_torch_symm_mem": "yes"}, "'service_enable_torch_symm_mem': expected true or false"),
+    ({"service_speculative_algorithm": "eagle3"}, "'service_speculative_algorithm': expected one of"),
+])
+def test_settings_refuse_bad_flag_values_naming_host_and_key(data, expected):
+    with pytest.raises(ConfigError, match="host gpu-01: ") as error:
+        settings(**data)
+    assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"service_extra_args": ["--port=31000"]}, "'service_extra_args': --port is set from its own host-data key"),
+    ({"service_extra_args": ["--tp-size", "4"]}, "'service_extra_args': --tp-size is set from its own host-data key"),
+    ({"service_env": {"CUDA_HOME": "/usr/local/cuda"}}, "'service_env': CUDA_HOME is pinned by servestack"),
+    ({"service_env": {"PATH": "/usr/bin"}}, "'service_env': PATH is pinned by servestack"),
+    ({"service_secret_env": ["LD_LIBRARY_PATH"]}, "'service_secret_env': LD_LIBRARY_PATH is pinned"),
+    ({"service_user": "root"}, "'service_user': expected a dedicated unprivileged user, got 'root'"),
+    ({"service_model_path": "/models/kimi k2"}, "'service_model_path': expected no whitespace"),
+    ({"service_host": "bad host!"}, "'service_host': expected"),
+    ({"service_env": {"NCCL_DEBUG": "INFO\nX=1"}}, "'service_env': NCCL_DEBUG must be a single line"),
+])
+def test_service_problems_name_the_key(data, expected):
+    problems = service.service_problems(settings(**data))
+    assert any(expected in problem for problem in problems), problems
+
+
+def test_default_settings_have_no_service_problems():
+    assert service.service_problems(settings(service_env={"NCCL_P2P_DISABLE": "1"}, service_host="10.0.0.5")) == []
+
+
+# -- warnings ---------------------------------------------------------------------------------------
+
+def test_fusion_on_sm120_with_sglang_0_5_9_is_warned_not_refused():
+    warnings = service.ineffective_settings(settings(service_enable_flashinfer_allreduce_fusion=True))
+    assert len(warnings) == 1
+    assert "service_enable_flashinfer_allreduce_fusion is enabled but has no effect on SM120" in warnings[0]
+    assert "sglang 0.5.9" in warnings[0] and "majors 9 and 10" in warnings[0]
+
+
+@pytest.mark.parametrize("data", [
+    {"service_enable_flashinfer_allreduce_fusion": False},
+    {"service_enable_flashinfer_allreduce_fusion": True, "gpu_compute_capability": "10.0"},
+    {"service_enable_flashinfer_allreduce_fusion": True, "gpu_compute_capability": "9.0"},
+])
+def test_no_warning_where_the_flag_works_or_is_off(data):
+    assert service.ineffective_settings(settings(**data)) == []
+
+
+# -- the unit ---------------------------------------------------------------------------------------
+
+def test_unit_pins_the_13_0_toolkit_and_never_uses_usr_local_cuda():
+    text = render({"service_env": {"NCCL_P2P_DISABLE": "1"}})
+    env = dict(value.split("=", 1) for value in unit_values(text, "Environment"))
+    assert env["CUDA_HOME"] == env["CUDA_PATH"] == "/usr/local/cuda-13.0"
+    assert env["PATH"].split(":")[:2] == ["/usr/local/cuda-13.0/bin", f"/opt/servestack/releases/{RELEASE_ID}/venv/bin"]
+    assert env["LD_LIBRARY_PATH"] == "/usr/local/cuda-13.0/lib64"
+    assert env["FLASHINFER_WORKSPACE_BASE"] == f"/var/cache/servestack/flashinfer/13.0.1-{RELEASE_ID}"
+    assert env["TRITON_CACHE_DIR"].startswith(env["FLASHINFER_WORKSPACE_BASE"] + "/")
+    assert env["NCCL_P2P_DISABLE"] == "1"
+    assert env["SERVESTACK_PATCHSET"] == PATCHSET and env["SERVESTACK_RELEASE"] == RELEASE_ID
+    assert "/usr/local/cuda/" not in text and "/usr/local/cuda:" not in text and "/usr/local/cuda\n" not in text
+
+
+def test_unit_runs_the_release_python_as_the_service_user_and_restarts_on_failure():
+    text = render({"service_start_timeout_s": 2400})
+    assert unit_values(text, "ExecStart")[0].startswith(
+        f"/opt/servestack/releases/{RELEASE_ID}/venv/bin/python -m sglang.launch_server \\")
+    assert "    --speculative-num-draft-tokens 4 \\\n" in text
+    assert unit_values(text, "User") == ["sglang"] and unit_values(text, "SupplementaryGroups") == ["video render"]
+    assert unit_values(text, "Restart") == ["on-failure"] and unit_values(text, "TimeoutStartSec") == ["2400"]
+    assert unit_values(text, "WantedBy") == ["multi-user.target"]
+    assert unit_values(text, "EnvironmentFile") == []
+
+
+def test_a_release_or_patch_set_change_is_a_unit_change():
+    s = settings()
+    base = service.render_unit(s, service.release(s, RELEASE_ID), PATCHSET)
+    assert service.render_unit(s, service.release(s, "r-ffffffffffff"), PATCHSET) != base
+    assert service.render_unit(s, service.release(s, RELEASE_ID), "cd" * 32) != base
+    assert service.render_unit(s, service.release(s, RELEASE_ID), PATCHSET) == base
+
+
+def test_secrets_file_is_named_in_the_unit_only_when_configured():
+    text = render({"service_secret_env": ["HF_TOKEN"]}, with_secrets=True)
+    assert unit_values(text, "EnvironmentFile") == ["/etc/servestack/sglang.service.env"]
+
+
+@pytest.mark.parametrize("value, quoted", [
+    ("plain-value_1.0", "plain-value_1.0"),
+    ("two words", '"two words"'),
+    ("100%", "100%%"),
+    ("$HOME", "$$HOME"),
+    ('say "hi"\\', '"say \\"hi\\"\\\\"'),
+    ("", '""'),
+])
+def test_systemd_quoting(value, quoted):
+    assert service.systemd_quote(value) == quoted
+
+
+def test_unit_arguments_with_spaces_and_specifiers_survive_systemd():
+    text = render({"service_extra_args": ["--served-model-name", "kimi k2 100%"]})
+    assert '--served-model-name "kimi k2 100%%"' in text
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
+def test_rendered_unit_passes_systemd_analyze_verify(tmp_path):
+    """Offline check against a scratch root (--root): nothing of this machine's systemd is touched."""
+    root = tmp_path / "root"
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    python = root / f"opt/servestack/releases/{RELEASE_ID}/venv/bin/python"
+    python.parent.mkdir(parents=True)
+    shutil.copy("/bin/true", python)
+    unit = root / "etc/systemd/system/sglang.service"
+    unit.parent.mkdir(parents=True)
+    unit.write_text(render({"service_env": {"NCCL_P2P_DISABLE": "1"}, "service_secret_env": ["HF_TOKEN"],
+                            "service_extra_args": ["--served-model-name", "a b%"]}, with_secrets=True))
+    proc = subprocess.run(["systemd-analyze", f"--root={root}", "verify", "/etc/systemd/system/sglang.service"],
+                          capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+
+    unit.write_text(unit.read_text().replace("Restart=on-failure", "Restart=sometimes"))
+    proc = subprocess.run(["systemd-analyze", f"--root={root}", "verify", "/etc/systemd/system/sglang.service"],
+                          capture_output=True, text=True)
+    assert "Failed to parse service restart specifier" in proc.stderr  # the check above would see a bad unit
+
+
+# -- secrets ----------------------------------------------------------------------------------------
+
+def test_secrets_content_comes_from_the_controller_environment():
+    content = service.secrets_content("gpu-01", ("HF_TOKEN",), {"HF_TOKEN": "hf_abc"})
+    assert content.splitlines()[1:] == ["HF_TOKEN='hf_abc'"]
+    assert repr(content) == "<secret>" and "hf_abc" not in repr([content])
+    assert service.secrets_content("gpu-01", (), {}) is None
+
+
+def test_missing_or_unusable_secrets_are_refused_naming_only_the_variable():
+    with pytest.raises(ConfigError) as error:
+        service.secrets_content("gpu-01", ("HF_TOKEN", "OTHER", "QUOTED"), {"OTHER": "", "QUOTED": "it's-secret"})
+    message = str(error.value)
+    assert "host gpu-01: 'service_secret_env': HF_TOKEN is not set in the control machine's environment" in message
+    assert "OTHER is set but empty" in message and "QUOTED contains a newline or a single quote" in message
+    assert "it's-secret" not in message
+
+
+def test_fingerprint_follows_the_unit_and_the_secrets():
+    unit = render()
+    assert service.fingerprint(unit, None) == service.fingerprint(unit, None)
+    assert service.fingerprint(unit, None) != service.fingerprint(unit, "a" * 64)
+    assert service.fingerprint(unit, "a" * 64) != service.fingerprint(unit, "b" * 64)
+    assert service.fingerprint(unit, None) != service.fingerprint(render({"service_port": 31000}), None)
+
+
+# -- the health gate --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("host, url", [
+    ("0.0.0.0", "http://127.0.0.1:30000"), ("::", "http://127.0.0.1:30000"),
+    ("10.0.0.5", "http://10.0.0.5:30000"), ("fd00::5", "http://[fd00::5]:30000"),
+])
+def test_the_gate_reaches_the_server_where_it_listens(host, url):
+    assert service.check_url(settings(service_host=host)) == url
+
+
+def test_gate_rolls_back_to_the_recorded_release():
+    s = settings()
+    rel = service.release(s, "r-bbbbbbbbbbbb")
+    env = service.gate_environment(s, rel, "f" * 64, {"release": "r-aaaaaaaaaaaa", "fingerprint": "0" * 64})
+    assert env["SS_PREVIOUS_VENV"] == "/opt/servestack/releases/r-aaaaaaaaaaaa/venv"
+    assert env["SS_PREVIOUS_LABEL"] == "release r-aaaaaaaaaaaa"
+    assert env["SS_GOOD_UNIT"] == "/var/lib/servestack/service/sglang.service.good"
+    assert env["SS_RELEASE_DIR"] == "/opt/servestack/releases/r-bbbbbbbbbbbb"
+    first = service.gate_environment(s, rel, "f" * 64, None)
+    assert first["SS_PREVIOUS_VENV"] == "" and "before servestack" in first["SS_PREVIOUS_LABEL"]
+
+
+def test_gate_script_is_valid_bash():
+    proc = subprocess.run(["bash", "-n", str(service.GATE_SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_gate_command_quotes_every_input():
+    command = service.gate_command({"SS_UNIT": "sglang.service", "SS_GENERATE_BODY": '{"text": "it\'s"}'})
+    assert "'SS_GENERATE_BODY={\"text\": \"it'\"'\"'s\"}'" in command.get_raw_value()
+
+
+# -- fact parsers -----------------------------------------------------------------------------------
+
+def test_venv_target_and_release_id():
+    assert parse_venv_target(["link /opt/servestack/releases/r-1/venv"]) == {
+        "kind": "link", "target": "/opt/servestack/releases/r-1/venv"}
+    assert parse_venv_target(["directory"]) == {"kind": "directory"}
+    assert parse_venv_target([]) == {"kind": "absent"}
+    assert release_id_of("/opt/servestack/releases/r-1/venv", "/opt/servestack/releases") == "r-1"
+    assert release_id_of("/opt/servestack/releases/r-1/venv", "/opt/servestack/releases/") == "r-1"
+    assert release_id_of("/opt/other/r-1/venv", "/opt/servestack/releases") is None
+    assert release_id_of("/opt/servestack/releases/a/b/venv", "/opt/servestack/releases") is None
+    assert release_id_of(None, "/opt/servestack/releases") is None
+
+
+def test_systemctl_show_properties():
+    state = parse_properties(["LoadState=loaded", "ActiveState=active", "MainPID=805", "ExecMainStatus=", "junk"])
+    assert state == {"LoadState": "loaded", "ActiveState": "active", "MainPID": "805", "ExecMainStatus": ""}
+
+
+def test_release_of_a_unit_servestack_wrote():
+    s = settings()
+    lines = render().splitlines()
+    assert service._release_of_unit(s, lines) == RELEASE_ID
+    assert service._release_of_unit(s, ["ExecStart=/opt/ml-env/bin/python -m sglang.launch_server"]) is None
+
+
+def test_record_and_digest_parsers():
+    assert parse_record(['{"fingerprint": "x",', '"release": "r-1"}']) == {"fingerprint": "x", "release": "r-1"}
+    assert parse_record(["not json"]) is None and parse_record(["[1]"]) is None
+    one = "a" * 64 + "  /opt/servestack/releases/r-1/patches.json"
+    assert combine_digests([one]) == "a" * 64
+    both = combine_digests([one, "b" * 64 + "  /opt/servestack/releases/r-1/venv/servestack-patches.json"])
+    assert both not in (None, "a" * 64) and len(both) == 64
+    assert combine_digests([]) is None
+
+
+def test_no_secret_or_version_literal_lives_in_the_service_code():
+    source = (Path(service.__file__).read_text() + service.UNIT_TEMPLATE.read_text()
+              + service.GATE_SCRIPT.read_text())
+    assert "13.0.1" not in source and "cu130" not in source and "/usr/local/cuda-13.0" not in source
+
+
+# -- the roll-out's failure budget --------------------------------------------------------------------
+
+class _Meta:
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def is_complete(self):
+        return self.outcome is not None
+
+    def did_error(self):
+        return self.outcome == "error"
+
+
+class _Host:
+    def __init__(self, name):
+        self.name = name
+
+
+class _OpData:
+    def __init__(self, outcome):
+        self.operation_meta = _Meta(outcome)
+
+
+class _State:
+    """What `rollout_failures` reads of pyinfra's State: the inventory and each host's operation data."""
+
+    def __init__(self, outcomes: dict):
+        self.inventory = [_Host(name) for name in outcomes]
+        self.ops = {host: {"op": _OpData(outcomes[host.name])} for host in self.inventory
+                    if outcomes[host.name] != "absent"}
+
+
+def _state(outcomes: dict) -> _State:
+    return _State(outcomes)
+
+
+def test_rollout_failures_count_completed_gate_failures_only():
+    state = _state({"h1": "error", "h2": "ok", "h3": None, "h4": "absent", "h5": "error"})
+    assert service.rollout_failures(state, "op") == ["h1", "h5"]
+    service._STOPPED[state] = {"h5"}  # stopped by the roll-out: not a health-gate failure
+    assert service.rollout_failures(state, "op") == ["h1"]
+
+
+def test_only_model_paths_on_disk_are_checked_for_the_service_user():
+    assert service.local_model_paths(settings()) == []
+    assert service.local_model_paths(settings(service_model_path="/models/k", service_draft_model_path="/models/d")) \
+        == ["/models/k", "/models/d"]
+    assert service.local_model_paths(settings(service_model_path="/models/k", service_speculative_algorithm="NONE",
+                                              service_draft_model_path="/models/d")) == ["/models/k"]

@@ -1,0 +1,182 @@
+"""Toolkit facts: nvcc/version.json parsers against real output, and the facts' shell commands run
+here against throwaway trees in a temporary directory (they only read; nothing is installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from facts.toolkit import (
+    CudaToolkits,
+    Fingerprint,
+    LinkChain,
+    RunfileDigest,
+    ToolkitFingerprint,
+    parse_nvcc_version,
+    parse_tree,
+)
+from servestack.sandbox.standins.toolkit import write_toolkit_tree
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "h200-ubuntu2404"
+
+
+def fixture_lines(name: str) -> list[str]:
+    path = FIXTURES / name
+    return path.read_text().splitlines()[1:-1]
+
+
+def run(command: str) -> list[str]:
+    result = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def fact_output(fact, **arguments) -> object:
+    return fact.process(run(fact.command(**arguments)))
+
+
+def test_nvcc_version_of_real_13_0():
+    version = parse_nvcc_version("\n".join(fixture_lines("nvcc-version.txt")))
+    assert (version.release, version.version) == ("13.0", "13.0.88")
+
+
+def test_nvcc_version_absent():
+    assert parse_nvcc_version("sh: 1: nvcc: not found") is None
+
+
+def package_installed_tree_lines() -> list[str]:
+    """What the toolkit fact prints for the real H200 host's package-installed /usr/local/cuda-13.0."""
+    nvcc = fixture_lines("nvcc-version.txt")
+    assert "No such file" in fixture_lines("cuda-version-json.txt")[0]
+    packages = [line.split()[1] for line in fixture_lines("dpkg-cuda.txt")]
+    assert "cuda-nvcc-13-0" in packages
+    return (["tree_exists", "tree_nvcc_exit 0"] + [f"tree_nvcc {line}" for line in nvcc]
+            + ["tree_dpkg cuda-nvcc-13-0: /usr/local/cuda-13.0/bin/nvcc"])
+
+
+def test_parse_package_installed_tree():
+    tree = parse_tree("/usr/local/cuda-13.0", package_installed_tree_lines())
+    assert tree.exists and not tree.empty
+    assert tree.nvcc.version == "13.0.88"
+    assert tree.version_json is None
+    assert tree.dpkg_owner == "cuda-nvcc-13-0"
+
+
+def toolkits(tmp_path: Path, **overrides):
+    arguments = {"install_path": str(tmp_path / "usr/local/cuda-13.0"),
+                 "keep_paths": [str(tmp_path / "usr/local/cuda-12.8")],
+                 "link_path": str(tmp_path / "usr/local/cuda"),
+                 "state_dir": str(tmp_path / "state"),
+                 "files": [str(tmp_path / "cache/x.run"), str(tmp_path / "cache/x.run.part")]}
+    arguments.update(overrides)
+    return fact_output(CudaToolkits(), **arguments)
+
+
+def test_toolkits_fact_on_a_pre_upgrade_tree(tmp_path):
+    write_toolkit_tree(tmp_path / "usr/local/cuda-12.8")
+    (tmp_path / "usr/local/cuda").symlink_to("cuda-12.8")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache/x.run.part").write_bytes(b"x" * 1000)
+    state = toolkits(tmp_path)
+    assert state.arch == os.uname().machine
+    assert not state.install.exists
+    assert state.kept == {str(tmp_path / "usr/local/cuda-12.8"): True}
+    assert state.link.hops == ((str(tmp_path / "usr/local/cuda"), "cuda-12.8"),)
+    assert state.link.kind == "link" and state.link.resolved == str(tmp_path / "usr/local/cuda-12.8")
+    assert state.files[str(tmp_path / "cache/x.run")] is None
+    assert state.files[str(tmp_path / "cache/x.run.part")].size == 1000
+    assert state.record is None and state.marker is None
+
+
+def test_toolkits_fact_reads_an_installed_toolkit(tmp_path):
+    write_toolkit_tree(tmp_path / "usr/local/cuda-13.0", "13.0.1", "13.0.88")
+    install = toolkits(tmp_path).install
+    assert install.exists and install.nvcc.version == "13.0.88"
+    assert install.version_json["cuda"]["version"] == "13.0.1"
+    assert install.dpkg_owner is None and install.nvcc_error is None
+
+
+def test_toolkits_fact_reads_records_with_escapes(tmp_path):
+    # Recorded nvcc text holds "\n" escapes: the fact must not turn them into line breaks.
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    record = {"schema": 1, "toolkits": {"/x": {"nvcc": "line one\nline two"}}}
+    (state_dir / "toolkits.json").write_text(json.dumps(record, indent=1))
+    (state_dir / "toolkit-install.json").write_text(json.dumps({"path": "/p", "run_id": "r"}))
+    state = toolkits(tmp_path)
+    assert state.record == record and not state.record_invalid
+    assert state.marker == {"path": "/p", "run_id": "r"}
+
+
+def test_toolkits_fact_on_an_empty_dir_and_a_broken_nvcc(tmp_path):
+    (tmp_path / "usr/local/cuda-13.0").mkdir(parents=True)
+    assert toolkits(tmp_path).install.empty
+    nvcc = tmp_path / "usr/local/cuda-13.0/bin/nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_bytes(b"\x7fELF\x02\x01\x01" + b"\x00" * 57)
+    nvcc.chmod(0o755)
+    install = toolkits(tmp_path).install
+    assert install.exists and not install.empty
+    assert install.nvcc is None and "failed" in install.nvcc_error
+
+
+def test_link_chain_through_alternatives_like_the_real_host(tmp_path):
+    # The real host: /usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-13.0
+    assert fixture_lines("cuda-links.txt")[0].endswith("cuda -> /etc/alternatives/cuda")
+    (tmp_path / "usr/local/cuda-13.0").mkdir(parents=True)
+    (tmp_path / "etc/alternatives").mkdir(parents=True)
+    (tmp_path / "etc/alternatives/cuda").symlink_to(tmp_path / "usr/local/cuda-13.0")
+    (tmp_path / "usr/local/cuda").symlink_to(tmp_path / "etc/alternatives/cuda")
+    chain = toolkits(tmp_path).link
+    assert [target for _, target in chain.hops] == [str(tmp_path / "etc/alternatives/cuda"),
+                                                    str(tmp_path / "usr/local/cuda-13.0")]
+    assert chain.resolved == str(tmp_path / "usr/local/cuda-13.0")
+    assert chain.describe() == (f"{tmp_path}/usr/local/cuda -> {tmp_path}/etc/alternatives/cuda -> "
+                                f"{tmp_path}/usr/local/cuda-13.0")
+    assert LinkChain.from_record(json.loads(json.dumps(chain.to_record()))) == chain
+
+
+def test_link_chain_absent_dangling_and_directory(tmp_path):
+    assert toolkits(tmp_path).link.kind == "absent"
+    (tmp_path / "usr/local").mkdir(parents=True)
+    (tmp_path / "usr/local/cuda").symlink_to("cuda-99.9")
+    chain = toolkits(tmp_path).link
+    assert chain.kind == "dangling" and chain.describe().endswith("(dangling)")
+    (tmp_path / "usr/local/cuda").unlink()
+    (tmp_path / "usr/local/cuda").mkdir()
+    chain = toolkits(tmp_path).link
+    assert chain.kind == "directory" and chain.hops == ()
+
+
+def test_fingerprint_changes_with_sizes_and_files_only(tmp_path):
+    root = write_toolkit_tree(tmp_path / "cuda-12.8")
+    before = fact_output(ToolkitFingerprint(), path=str(root))
+    assert before.present and before.nvcc_version == "12.8.93" and before.files > 20
+    assert fact_output(ToolkitFingerprint(), path=str(root)) == before
+    (root / "targets/x86_64-linux/include/cuda.h").write_text("changed, and longer than before\n" * 3)
+    after = fact_output(ToolkitFingerprint(), path=str(root))
+    assert before.differences(after) == [f"file list or sizes changed ({before.files} files before, "
+                                         f"{after.files} now)"]
+    (root / "extra").write_text("")
+    assert fact_output(ToolkitFingerprint(), path=str(root)).files == before.files + 1
+
+
+def test_fingerprint_round_trips_through_the_record(tmp_path):
+    root = write_toolkit_tree(tmp_path / "cuda-12.8")
+    now = fact_output(ToolkitFingerprint(), path=str(root))
+    again = Fingerprint.from_record(str(root), json.loads(json.dumps(now.to_record())))
+    assert again.differences(now) == []
+    gone = fact_output(ToolkitFingerprint(), path=str(tmp_path / "missing"))
+    assert not gone.present and again.differences(gone) == ["was present, now missing"]
+
+
+def test_runfile_digest_reads_size_md5_and_sha256(tmp_path):
+    path = tmp_path / "x.run"
+    path.write_bytes(b"hello")
+    digest = fact_output(RunfileDigest(), path=str(path))
+    assert digest.stat.size == 5
+    assert digest.md5 == "5d41402abc4b2a76b9719d911017c592"
+    assert digest.sha256 == "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+    assert not fact_output(RunfileDigest(), path=str(tmp_path / "nope")).present

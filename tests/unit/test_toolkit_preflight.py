@@ -1,0 +1,209 @@
+"""Preflight: every check judged from constructed facts, disk budgets per filesystem, the host lock
+(its shell run here in a temporary directory), and the doctor's report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from facts.gpu import Gpu, GpuReport
+from facts.host import (
+    Disk,
+    LockState,
+    lock_read_command,
+    parse_df_line,
+    parse_lock,
+    release_lock_command,
+    take_lock_command,
+)
+from facts.preflight import PreflightFacts
+from facts.toolkit import FileStat, LinkChain, NvccVersion, ToolkitState, Tree
+from operations.preflight import CHECKS, disk_needs, evaluate, problems_of
+from servestack.doctor import render_json, report_for
+from servestack.settings import settings_from_data
+
+FIXTURE_DF = Path(__file__).resolve().parents[1] / "fixtures" / "h200-ubuntu2404" / "df.txt"
+GB = 10**9
+
+
+def settings(**data):
+    return settings_from_data("h1", data)
+
+
+def blackwell(count=8, cap="12.0", driver="580.82.07") -> GpuReport:
+    gpus = tuple(Gpu(i, "NVIDIA RTX PRO 6000 Blackwell Server Edition", cap, driver, 97887, f"GPU-{i}",
+                     f"00000000:{i:02X}:00.0") for i in range(count))
+    return GpuReport(gpus, driver)
+
+
+def facts(gpu=None, arch="x86_64", avail=100 * GB, lock=None, install=None, files=None, link=None,
+          mounts=None) -> PreflightFacts:
+    mounts = mounts or {}
+    disks = {path: Disk(path, mounts.get(path, "/"), avail, 200 * GB)
+             for path in ("/var/cache/servestack", "/var/tmp", "/usr/local/cuda-13.0")}
+    toolkit = ToolkitState(
+        install=install or Tree("/usr/local/cuda-13.0"), arch=arch,
+        kept={"/usr/local/cuda-12.8": True},
+        link=link or LinkChain("/usr/local/cuda", (("/usr/local/cuda", "cuda-12.8"),), "/usr/local/cuda-12.8", "link"),
+        files=files or {})
+    return PreflightFacts(gpu=gpu or blackwell(), disks=disks, lock=lock or LockState(), toolkit=toolkit)
+
+
+def by_name(checks):
+    return {check.name: check for check in checks}
+
+
+def test_a_ready_host_passes_every_check():
+    checks = evaluate(settings(), facts(), "run-1")
+    assert [check.name for check in checks] == list(CHECKS)
+    assert problems_of(checks) == []
+    assert by_name(checks)["link"].detail == "/usr/local/cuda stays -> cuda-12.8"
+
+
+def test_problems_are_one_line_each():
+    checks = evaluate(settings(), facts(gpu=blackwell(cap="9.0", driver="570.86.10"), avail=GB), "run-1")
+    problems = problems_of(checks)
+    assert len(problems) == 3
+    assert problems[0].startswith("NVIDIA driver 570.86.10 is older than 580.82.07")
+    assert problems[1].startswith("8 of 8 GPUs are not compute capability 12.0")
+    assert problems[2].startswith("not enough disk on /: 1.0 GB free, 20.3 GB needed (runfile 4.3 GB in "
+                                  "/var/cache/servestack, extraction 8.0 GB in /var/tmp, toolkit 8.0 GB in "
+                                  "/usr/local/cuda-13.0)")
+    assert all("\n" not in problem for problem in problems)
+
+
+def test_arch_without_runfile_is_refused(tmp_path):
+    manifest = tmp_path / "stack.toml"
+    text = open(settings().manifest.path).read()
+    start = text.index("[cuda.runfile.aarch64]")
+    manifest.write_text(text[:start] + text[text.index("[gpu]"):])
+    checks = by_name(evaluate(settings(servestack_manifest=str(manifest)), facts(arch="aarch64")))
+    assert checks["arch"].status == "fail"
+    assert checks["arch"].detail == "CPU architecture aarch64 has no runfile in stack.toml (it has x86_64)"
+    assert checks["disk"].status == "skip"
+
+
+def test_aarch64_uses_the_sbsa_runfile():
+    assert by_name(evaluate(settings(), facts(arch="aarch64")))["arch"].detail.endswith("linux_sbsa.run")
+
+
+def test_disk_budget_is_summed_per_filesystem():
+    separate = {"/var/cache/servestack": "/var", "/var/tmp": "/var", "/usr/local/cuda-13.0": "/"}
+    checks = by_name(evaluate(settings(), facts(avail=10 * GB, mounts=separate)))
+    # /var needs 4.3 + 8 GB > 10 GB free; / needs 8 GB < 10 GB.
+    assert checks["disk"].problems == ("not enough disk on /var: 10.0 GB free, 12.3 GB needed (runfile 4.3 GB "
+                                       "in /var/cache/servestack, extraction 8.0 GB in /var/tmp)",)
+
+
+def test_disk_counts_what_is_already_downloaded():
+    s = settings()
+    part = "/var/cache/servestack/cuda_13.0.1_580.82.07_linux.run.part"
+    needs = disk_needs(s, facts(files={part: FileStat(part, 4 * GB, 0, 0)}))
+    assert needs[0] == ("/var/cache/servestack", 302469087, "runfile")
+    assert disk_needs(settings(cuda_runfile_path="/srv/x.run"), facts())[0][2] == "extraction"
+
+
+def test_converged_host_needs_no_disk_and_no_runfile():
+    installed = Tree("/usr/local/cuda-13.0", exists=True, nvcc=NvccVersion("13.0", "13.0.88"),
+                     version_json={"cuda": {"version": "13.0.1"}, "cuda_nvcc": {"version": "13.0.88"}})
+    checks = by_name(evaluate(settings(), facts(install=installed, avail=0)))
+    assert checks["disk"].status == "ok" and checks["disk"].detail == "nothing to install"
+    assert checks["runfile"].detail == "not needed"
+
+
+def test_package_installed_toolkit_refuses_the_host():
+    package = Tree("/usr/local/cuda-13.0", exists=True, nvcc=NvccVersion("13.0", "13.0.88"),
+                   dpkg_owner="cuda-nvcc-13-0")
+    check = by_name(evaluate(settings(), facts(install=package)))["install_path"]
+    assert check.status == "fail" and "cuda-nvcc-13-0" in check.detail
+
+
+def test_missing_prestaged_runfile_is_refused():
+    check = by_name(evaluate(settings(cuda_runfile_path="/srv/x.run"), facts()))["runfile"]
+    assert check.status == "fail" and check.detail == "cuda_runfile_path /srv/x.run: no such file on the host"
+
+
+def test_link_policy_new_refuses_a_directory():
+    directory = LinkChain("/usr/local/cuda", (), "/usr/local/cuda", "directory")
+    assert by_name(evaluate(settings(cuda_link_policy="new"), facts(link=directory)))["link"].status == "fail"
+    assert by_name(evaluate(settings(), facts(link=directory)))["link"].status == "ok"
+
+
+def test_lock_held_stale_and_ours():
+    info = {"run_id": "other", "controller": "laptop:42", "started": "20261130T010000Z"}
+    held = by_name(evaluate(settings(), facts(lock=LockState(True, True, info)), "run-1"))["lock"]
+    assert held.status == "fail"
+    assert "another servestack run holds /var/lib/servestack/lock: run other from laptop:42" in held.detail
+    stale = by_name(evaluate(settings(), facts(lock=LockState(True, False, info)), "run-1"))["lock"]
+    assert stale.status == "warn" and "stale" in stale.detail
+    ours = by_name(evaluate(settings(), facts(lock=LockState(True, True, {**info, "run_id": "run-1"})), "run-1"))
+    assert ours["lock"].status == "ok"
+
+
+def test_df_line_of_the_real_host():
+    lines = open(FIXTURE_DF).read().splitlines()[2:-1]
+    assert parse_df_line(lines[0]) == ("/", 68702244864, 270553174016)
+
+
+def sh(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+
+
+def test_lock_take_is_exclusive_and_stale_locks_are_replaced(tmp_path):
+    state = str(tmp_path / "state")
+    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "taken\n"
+    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "ours\n"
+    # No sshd above this shell: the owner is unknown, so the lock holds until reboot.
+    held = sh(take_lock_command(state, "run-B", "ctl:2", "T"))
+    assert held.returncode == 3 and held.stdout.startswith("held ")
+    lock = parse_lock(sh(lock_read_command(state)).stdout.splitlines())
+    assert lock.present and lock.alive and lock.run_id == "run-A"
+    # A lock whose owner process is gone (here: a pid that does not exist) is stale.
+    path = tmp_path / "state" / "lock"
+    path.write_text(path.read_text().replace('"pid": null', '"pid": 4194304'))
+    assert not parse_lock(sh(lock_read_command(state)).stdout.splitlines()).alive
+    taken = sh(take_lock_command(state, "run-B", "ctl:2", "T"))
+    assert taken.stdout.startswith("stale ") and taken.stdout.endswith("taken\n")
+    assert json.loads(path.read_text())["run_id"] == "run-B"
+    assert sh(release_lock_command(state, "run-A")).stdout == "not-ours\n"
+    assert sh(release_lock_command(state, "run-B")).stdout == "released\n"
+    assert not path.exists()
+
+
+def test_lock_of_a_rebooted_host_is_stale(tmp_path):
+    state = tmp_path / "state"
+    sh(take_lock_command(str(state), "run-A", "ctl:1", "T"))
+    lock = state / "lock"
+    lock.write_text(lock.read_text().replace('"boot_id": "', '"boot_id": "before-reboot-'))
+    assert not parse_lock(sh(lock_read_command(str(state))).stdout.splitlines()).alive
+
+
+def test_doctor_report_json_has_stable_names():
+    report = report_for("h1", settings(), facts(gpu=blackwell(cap="9.0")), None)
+    data = json.loads(render_json({"h1": report}))
+    assert data["ok"] is False
+    assert list(data["hosts"]["h1"]["checks"]) == ["settings", "connect", *CHECKS]
+    assert data["hosts"]["h1"]["checks"]["compute_capability"]["status"] == "fail"
+
+
+def test_lock_of_a_dead_connection_is_alive_while_its_installer_runs(tmp_path):
+    state = tmp_path / "state"
+    sh(take_lock_command(str(state), "run-A", "ctl:1", "T"))
+    lock = state / "lock"
+    lock.write_text(lock.read_text().replace('"pid": null', '"pid": 4194304'))
+    holder = subprocess.Popen(["flock", str(lock) + ".busy", "sleep", "30"], start_new_session=True)
+    try:
+        for _ in range(50):
+            found = parse_lock(sh(lock_read_command(str(state))).stdout.splitlines())
+            if found.alive:
+                break
+        assert found.alive and found.why == "busy"
+        assert "still running on the host" in found.why_alive()
+        assert sh(take_lock_command(str(state), "run-B", "ctl:2", "T")).returncode == 3
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)          # flock and the sleep holding the lock
+        holder.wait()
+    assert not parse_lock(sh(lock_read_command(str(state))).stdout.splitlines()).alive

@@ -1,0 +1,311 @@
+"""The host-side tool (files/scripts/ml_env.py), run here against temporary directories.
+
+The build tests resolve and install the stand-in stack with the real uv from a loopback index
+(tests/unit/venv_index.py); they are skipped where uv is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from operations.releases import CHECK, TOOL, encode, release_plan
+from servestack.manifest import load_manifest
+from servestack.sandbox.standins.wheels import TORCH_TAG, WheelSpec, build_wheel, standin_wheel
+
+sys.path.insert(0, str(Path(__file__).parent))
+import venv_index  # noqa: E402
+
+from servestack.settings import settings_from_data  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("ml_env", TOOL)
+ml_env = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ml_env)
+
+UV = shutil.which("uv")
+HOST_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+needs_uv = pytest.mark.skipif(UV is None or ml_env.uv_version(UV) != load_manifest().uv["version"],
+                              reason="needs uv at the manifest's version on PATH")
+
+LOCK = """\
+filelock==3.0 \\
+    --hash=sha256:aa
+    # via torch
+    # from https://pypi.org/simple
+flashinfer-python==0.6.4 \\
+    --hash=sha256:bb
+    # via
+    #   --override overrides.txt
+    #   servestack-release (pyproject.toml)
+    #   sglang
+    # from https://pypi.org/simple
+sgl-kernel @ https://github.com/x/sgl_kernel-0.3.21+cu130-cp310-abi3-manylinux2014_x86_64.whl \\
+    --hash=sha256:cc
+    # via
+    #   servestack-release (pyproject.toml)
+    #   sglang
+requests==2.32.0 \\
+    --hash=sha256:dd
+    # via sglang
+sglang==0.5.9 \\
+    --hash=sha256:ee
+    # via servestack-release (pyproject.toml)
+    # from https://pypi.org/simple
+torch==2.9.1+cu130 \\
+    --hash=sha256:ff
+    --hash=sha256:ab
+    # via
+    #   servestack-release (pyproject.toml)
+    #   sglang
+    # from https://download.pytorch.org/whl/cu130
+"""
+STEPS = {"torch": 1, "sglang": 2, "sgl-kernel": 3, "flashinfer-python": 4}
+
+
+def test_parse_lock_reads_pins_urls_hashes_and_indexes():
+    entries = {entry["name"]: entry for entry in ml_env.parse_lock(LOCK)}
+    assert entries["torch"]["version"] == "2.9.1+cu130"
+    assert entries["torch"]["hashes"] == ["sha256:ff", "sha256:ab"]
+    assert entries["torch"]["index"] == "https://download.pytorch.org/whl/cu130"
+    assert entries["sgl-kernel"]["url"].endswith(".whl") and entries["sgl-kernel"]["index"] is None
+    assert entries["flashinfer-python"]["via"] == ["--override overrides.txt",
+                                                   "servestack-release (pyproject.toml)", "sglang"]
+
+
+def test_steps_follow_the_documented_order_and_dependencies_join_their_first_user():
+    step_of = ml_env.assign_steps(ml_env.parse_lock(LOCK), STEPS)
+    assert step_of == {"filelock": 1, "flashinfer-python": 4, "sgl-kernel": 3, "requests": 2,
+                       "sglang": 2, "torch": 1}
+
+
+def test_step_files_group_by_step_and_index():
+    files = ml_env.step_files(ml_env.parse_lock(LOCK), STEPS)
+    assert [(step, index) for step, index, _ in files] == [
+        (1, "https://download.pytorch.org/whl/cu130"), (1, "https://pypi.org/simple"),
+        (2, None), (2, "https://pypi.org/simple"), (3, None), (4, "https://pypi.org/simple")]
+    torch_file = files[0][2]
+    assert torch_file == "torch==2.9.1+cu130 \\\n    --hash=sha256:ff \\\n    --hash=sha256:ab\n"
+
+
+def run_tool(command, params):
+    result = subprocess.run([sys.executable, str(TOOL), command, encode(params)], capture_output=True, text=True)
+    output = json.loads(result.stdout) if result.returncode == 0 else None
+    return result.returncode, output, result.stderr
+
+
+@pytest.fixture
+def host(tmp_path):
+    """Paths of a pretend host under tmp_path (nothing outside it is touched)."""
+    paths = {"venv_path": str(tmp_path / "ml-env"), "releases_dir": str(tmp_path / "releases"),
+             "state_dir": str(tmp_path / "state"), "uv": str(tmp_path / "uv" / "bin" / "uv")}
+    if UV:
+        Path(paths["uv"]).parent.mkdir(parents=True)
+        os.symlink(UV, paths["uv"])
+    return paths
+
+
+def hand_made_venv(path, packages):
+    """A venv made by hand (uv venv) holding stand-in wheels `packages` [(name, version)]."""
+    subprocess.run([UV, "venv", "-q", "--python", HOST_PYTHON, path], check=True,
+                   env={**os.environ, "UV_PYTHON_DOWNLOADS": "never"})
+    wheels = [str(build_wheel(standin_wheel(name, version), Path(path).parent / "wheels"))
+              for name, version in packages]
+    subprocess.run([UV, "pip", "install", "-q", "--python", f"{path}/bin/python", "--no-deps", *wheels],
+                   check=True)
+
+
+def test_state_of_an_empty_host(host):
+    code, state, _ = run_tool("state", host)
+    assert code == 0
+    assert state["venv_path"]["kind"] == "missing" and state["active"] is None
+    assert state["releases"] == {} and state["history"] == [] and state["backups"] == []
+
+
+def test_state_calls_a_plain_directory_other(host):
+    os.makedirs(host["venv_path"])
+    assert run_tool("state", host)[1]["venv_path"]["kind"] == "other"
+
+
+def test_backup_without_environment_writes_nothing(host):
+    code, result, _ = run_tool("backup", {**host, "keep": 5})
+    assert code == 0 and result["written"] is None
+    assert not os.path.exists(os.path.join(host["state_dir"], "backups"))
+
+
+@needs_uv
+def test_backup_records_packages_with_local_labels_once_and_prunes(host):
+    hand_made_venv(host["venv_path"], [("torch", "2.9.1+cu128")])
+    code, result, _ = run_tool("backup", {**host, "keep": 2})
+    assert code == 0 and result["written"]
+    snapshot = json.loads(Path(host["state_dir"], "backups", result["written"]).read_text())
+    assert snapshot["packages"]["torch"] == "2.9.1+cu128"
+    assert snapshot["venv_path"] == host["venv_path"] and snapshot["python"] and snapshot["timestamp"]
+    assert run_tool("backup", {**host, "keep": 2})[1]["written"] is None  # unchanged env: no new snapshot
+    backups = Path(host["state_dir"], "backups")
+    for stamp in ("20200101T000000Z", "20200102T000000Z"):
+        (backups / f"{stamp}.json").write_text("{}")
+    code, result, _ = run_tool("backup", {**host, "keep": 2})
+    assert result["pruned"] == ["20200101T000000Z.json"]
+    assert len(list(backups.glob("*.json"))) == 2
+
+
+@needs_uv
+def test_activate_adopts_a_hand_made_venv_without_breaking_it(host, tmp_path):
+    hand_made_venv(host["venv_path"], [("torch", "2.9.1+cu128")])
+    new = Path(host["releases_dir"], "r-000000000001")
+    subprocess.run([UV, "venv", "-q", "--python", HOST_PYTHON, str(new / "venv")], check=True)
+    (new / "release.json").write_text(json.dumps({"status": "ok"}))
+    code, result, err = run_tool("activate", {**host, "release": "r-000000000001", "by": "deploy",
+                                              "adopt_as": "adopted-20260101T000000Z"})
+    assert code == 0, err
+    assert result == {"adopted": "adopted-20260101T000000Z", "previous": "adopted-20260101T000000Z",
+                      "switched": True}
+    assert os.readlink(host["venv_path"]) == str(new / "venv")
+    adopted = Path(host["releases_dir"], "adopted-20260101T000000Z")
+    record = json.loads((adopted / "release.json").read_text())
+    assert record["adopted"] and record["packages"]["torch"] == "2.9.1+cu128"
+    history = json.loads(Path(host["state_dir"], "releases.json").read_text())["activations"]
+    assert [(h["release"], h["previous"], h["by"]) for h in history] == [
+        ("adopted-20260101T000000Z", None, "adopt"),
+        ("r-000000000001", "adopted-20260101T000000Z", "deploy")]
+    # rolling back to the adopted venv: its python and packages work again through venv_path
+    code, result, err = run_tool("activate", {**host, "release": "adopted-20260101T000000Z", "by": "rollback",
+                                              "adopt_as": "adopted-x"})
+    assert code == 0 and result["switched"], err
+    out = subprocess.run([f"{host['venv_path']}/bin/python", "-c",
+                          "import torch, sys; print(torch.__version__, sys.prefix)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2.9.1+cu128", host["venv_path"]]
+    again = run_tool("activate", {**host, "release": "adopted-20260101T000000Z", "by": "rollback", "adopt_as": "x"})
+    assert again[1] == {"adopted": None, "switched": False}
+
+
+def test_activate_refuses_an_unchecked_release_and_changes_nothing(host):
+    Path(host["releases_dir"], "r-000000000002", "venv").mkdir(parents=True)
+    Path(host["releases_dir"], "r-000000000002", "release.json").write_text(json.dumps({"status": "failed"}))
+    code, _, err = run_tool("activate", {**host, "release": "r-000000000002", "by": "deploy", "adopt_as": "a"})
+    assert code == 1 and "servestack: release r-000000000002 is not a complete, checked release" in err
+    assert not os.path.lexists(host["venv_path"])
+
+
+def test_prune_never_removes_the_active_release(host):
+    for name in ("r-00000000000a", "r-00000000000b"):
+        Path(host["releases_dir"], name, "venv").mkdir(parents=True)
+    os.symlink(os.path.join(host["releases_dir"], "r-00000000000a", "venv"), host["venv_path"])
+    code, result, _ = run_tool("prune", {**host, "remove": ["r-00000000000a", "r-00000000000b"], "protect": []})
+    assert code == 0 and result["removed"] == ["r-00000000000b"]
+    assert os.path.isdir(os.path.join(host["releases_dir"], "r-00000000000a"))
+
+
+# --- building against a loopback index --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    root = tmp_path_factory.mktemp("index")
+    venv_index.build_index(root)
+    server, base = venv_index.serve(root)
+    yield venv_index.StackIndex(root, base)
+    server.shutdown()
+
+
+def build_params(host, index, tmp_path, **data):
+    settings = settings_from_data("local", {**index.host_data(), **data})
+    python_version = subprocess.run([HOST_PYTHON, "-c", "import platform; print(platform.python_version())"],
+                                    capture_output=True, text=True).stdout.strip()
+    plan = release_plan(settings, "x86_64", python_version)
+    plan = plan.__class__(plan.id, host["releases_dir"], plan.inputs, plan.files, plan.steps, plan.expect)
+    return plan, {**host, "id": plan.id, "release_dir": plan.dir, "inputs": plan.inputs, "files": plan.files,
+                  "steps": plan.steps, "expect": plan.expect, "check_script": CHECK.read_text(),
+                  "uv_version": load_manifest().uv["version"], "uv_index_url": "http://127.0.0.1:9/none",
+                  "cache_dir": str(tmp_path / "uv-cache"), "python": HOST_PYTHON}
+
+
+@needs_uv
+def test_build_then_activate_turns_a_cu128_env_into_cu130(host, index, tmp_path):
+    hand_made_venv(host["venv_path"], [("torch", "2.9.1+cu128"), ("torchvision", "0.24.1+cu128")])
+    plan, params = build_params(host, index, tmp_path)
+    code, result, err = run_tool("build", params)
+    assert code == 0 and result == {"built": True}, err
+    record = json.loads(Path(plan.dir, "release.json").read_text())
+    assert record["status"] == "ok" and record["packages"]["torch"] == "2.9.1+cu130"
+    assert record["packages"]["flashinfer-python"] == "0.6.4"  # the override beat sglang's 0.6.3 pin
+    assert record["lock_sha256"] and Path(plan.dir, "lock.txt").exists()
+    assert os.path.isdir(host["venv_path"]) and not os.path.islink(host["venv_path"])  # not switched yet
+    assert run_tool("build", params)[1] == {"built": False, "reason": "already built"}
+    code, result, err = run_tool("activate", {**params, "release": plan.id, "by": "deploy",
+                                              "adopt_as": "adopted-20260101T000000Z"})
+    assert code == 0, err
+    out = subprocess.run([f"{host['venv_path']}/bin/python", "-c",
+                          "import torch, flashinfer, sglang; print(torch.__version__, torch.version.cuda)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2.9.1+cu130", "13.0"]
+
+
+@needs_uv
+def test_a_broken_wheel_fails_the_build_and_leaves_the_old_env(host, tmp_path):
+    root = tmp_path / "broken-index"
+    venv_index.build_index(root, broken_torch="corrupt_zip")
+    server, base = venv_index.serve(root)
+    try:
+        hand_made_venv(host["venv_path"], [("torch", "2.9.1+cu128")])
+        plan, params = build_params(host, venv_index.StackIndex(root, base), tmp_path)
+        code, _, err = run_tool("build", params)
+    finally:
+        server.shutdown()
+    assert code == 1 and f"servestack: release {plan.id} was not built and is not active" in err
+    assert "install step 1" in err or "resolving" in err
+    record = json.loads(Path(plan.dir, "release.json").read_text())
+    assert record["status"] == "failed" and record["error"]
+    assert os.path.isdir(host["venv_path"]) and not os.path.islink(host["venv_path"])
+
+
+@needs_uv
+def test_a_failed_check_keeps_the_release_out(host, tmp_path):
+    root = tmp_path / "lying-index"
+    venv_index.build_index(root)
+    torch_version = load_manifest().package("torch").version
+    liar = WheelSpec("torch", torch_version, TORCH_TAG,
+                     {"torch/__init__.py": f"__version__ = '{torch_version}'\nfrom torch import version\n",
+                      "torch/version.py": "cuda = '12.8'\n"}, (), "a cu128 build labelled cu130")
+    torch_dir = next(root.rglob("torch/index.html")).parent
+    for old in torch_dir.glob("*.whl"):
+        old.unlink()
+    from servestack.sandbox.standins.index import write_simple_index
+    write_simple_index(torch_dir.parent, [build_wheel(liar, tmp_path / "liar")])
+    server, base = venv_index.serve(root)
+    try:
+        plan, params = build_params(host, venv_index.StackIndex(root, base), tmp_path)
+        code, _, err = run_tool("build", params)
+    finally:
+        server.shutdown()
+    assert code == 1 and "checks failed: torch.version.cuda is '12.8', expected '13.0'" in err
+    assert json.loads(Path(plan.dir, "release.json").read_text())["status"] == "failed"
+    assert not os.path.lexists(host["venv_path"])
+
+
+def test_check_script_reports_every_problem(tmp_path):
+    expect = {"packages": {"pytest": "0.0.1", "no-such-package-xyz": "1"}, "torch_cuda": "13.0",
+              "imports": ["no_such_module_xyz"]}
+    result = subprocess.run([sys.executable, str(CHECK), json.dumps(expect)], capture_output=True, text=True)
+    assert result.returncode == 1
+    problems = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM ")]
+    assert any("pytest is " in p and "expected 0.0.1" in p for p in problems)
+    assert any("no-such-package-xyz is not installed" in p for p in problems)
+    assert any("import no_such_module_xyz failed" in p for p in problems)
+
+
+def test_activate_refuses_a_directory_that_is_not_a_venv(host):
+    os.makedirs(os.path.join(host["venv_path"], "data"))
+    Path(host["releases_dir"], "r-000000000003", "venv").mkdir(parents=True)
+    Path(host["releases_dir"], "r-000000000003", "venv", "pyvenv.cfg").write_text("home = /usr/bin\n")
+    Path(host["releases_dir"], "r-000000000003", "release.json").write_text(json.dumps({"status": "ok"}))
+    code, _, err = run_tool("activate", {**host, "release": "r-000000000003", "by": "deploy", "adopt_as": "a"})
+    assert code == 1 and "exists but is not a venv" in err
+    assert os.path.isdir(os.path.join(host["venv_path"], "data"))

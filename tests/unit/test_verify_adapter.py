@@ -1,0 +1,224 @@
+"""The verification suite's adapter: a pyinfra inventory (group data, --limit, connectors) becomes
+testinfra backends reaching each host the way pyinfra does, with that host's settings."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from servestack import checks
+from servestack.errors import ConfigError
+from servestack.verify import (Backend, Results, backend_for, load_inventory, parse_host_data, render,
+                               split_patterns, targets_from_inventory, targets_from_testinfra)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def inventory(tmp_path: Path) -> Path:
+    """An inventory with SSH hosts (group data for one group), @local and @chroot."""
+    (tmp_path / "group_data").mkdir()
+    (tmp_path / "group_data" / "all.py").write_text('gpu_compute_capability = "9.0"\n')
+    (tmp_path / "group_data" / "gpu_hosts.py").write_text(textwrap.dedent("""\
+        ssh_user = "ubuntu"
+        _sudo = True
+        ssh_key = "/keys/fleet key"
+        ssh_known_hosts_file = "/keys/known_hosts"
+        ssh_strict_host_key_checking = "yes"
+        gpu_count = 4
+        service_tp = 4
+    """))
+    path = tmp_path / "inventory.py"
+    path.write_text(textwrap.dedent("""\
+        gpu_hosts = [
+            ("node-01", {"ssh_hostname": "10.0.0.1", "ssh_port": 2222}),
+            ("node-02", {"ssh_hostname": "fd00::2", "gpu_count": 2, "service_tp": 2}),
+        ]
+        workstation = [("@local", {"servestack_allow_local": True, "gpu_count": 1, "service_tp": 1})]
+        images = [("@chroot/srv/image", {"gpu_count": 1, "service_tp": 1})]
+    """))
+    return path
+
+
+def by_name(targets) -> dict:
+    return {target.name: target for target in targets}
+
+
+def test_group_data_and_host_data_become_each_hosts_settings(inventory):
+    targets = by_name(targets_from_inventory(inventory))
+    assert list(targets) == ["node-01", "node-02", "@local", "@chroot/srv/image"]
+    assert {t.settings.gpu_compute_capability for t in targets.values()} == {"9.0"}  # group_data/all.py
+    assert targets["node-01"].settings.gpu_count == 4                               # group_data/gpu_hosts.py
+    assert targets["node-02"].settings.gpu_count == 2                               # host data wins
+    assert targets["@local"].settings.venv_path == "/opt/ml-env"                    # manifest default
+
+
+def test_ssh_hosts_map_to_openssh_with_pyinfras_ssh_data(inventory):
+    hosts = {host.name: host for host in load_inventory(inventory)}
+    backend = backend_for(hosts["node-01"])
+    options = dict(backend.options)
+    assert backend.hostspec == "ssh://ubuntu@10.0.0.1:2222"
+    assert options["ssh_identity_file"] == "/keys/fleet key"
+    assert options["sudo"] is True
+    assert "-o UserKnownHostsFile=/keys/known_hosts" in options["ssh_extra_args"]
+    assert "-o StrictHostKeyChecking=yes" in options["ssh_extra_args"]
+    assert "-o BatchMode=yes" in options["ssh_extra_args"]
+    assert backend_for(hosts["node-02"]).hostspec == "ssh://ubuntu@[fd00::2]"
+
+
+def test_the_ssh_command_testinfra_builds_carries_key_port_known_hosts_and_sudo(inventory):
+    hosts = {host.name: host for host in load_inventory(inventory)}
+    testinfra_backend = backend_for(hosts["node-01"]).connect().backend
+    command, arguments = testinfra_backend._build_ssh_command("true")
+    line = testinfra_backend.quote(" ".join(command), *arguments)
+    assert line.startswith("ssh ")
+    assert "-o User=ubuntu" in line and "-o Port=2222" in line
+    assert "-i '/keys/fleet key'" in line
+    assert "ControlMaster=auto" in line and "ControlPath=" in line
+    assert testinfra_backend.get_command("id -u").startswith("sudo /bin/sh -c")
+
+
+def test_local_and_chroot_hosts_map_to_their_testinfra_backends(inventory):
+    hosts = {host.name: host for host in load_inventory(inventory)}
+    assert backend_for(hosts["@local"]) == Backend("local://")
+    chroot = backend_for(hosts["@chroot/srv/image"])
+    assert chroot == Backend("/srv/image", (("connection", "chroot"),))
+    assert type(chroot.connect().backend).__name__ == "ChrootBackend"
+    assert chroot.connect().backend.name == "/srv/image"
+
+
+@pytest.mark.parametrize("limit, expected", [
+    ("gpu_hosts", ["node-01", "node-02"]),
+    ("node-02", ["node-02"]),
+    ("node-*,@local", ["node-01", "node-02", "@local"]),
+    (["images", "node-01"], ["node-01", "@chroot/srv/image"]),
+])
+def test_limit_takes_groups_hosts_and_globs_like_pyinfra(inventory, limit, expected):
+    assert [host.name for host in load_inventory(inventory, limit)] == expected
+
+
+def test_a_limit_matching_nothing_is_refused(inventory):
+    with pytest.raises(ConfigError, match="--limit gpu-hosts: no group or host of the inventory matches"):
+        load_inventory(inventory, "gpu-hosts")
+
+
+def test_bad_host_data_is_refused_naming_host_and_key(inventory):
+    with pytest.raises(ConfigError, match=r"host node-02: 'gpu_count': expected an integer from 1 to 64"):
+        targets_from_inventory(inventory, "node-02", override_data={"gpu_count": 0})
+
+
+def test_override_data_applies_to_every_host(inventory):
+    targets = targets_from_inventory(inventory, override_data={"gpu_compute_capability": "12.0"})
+    assert {target.settings.gpu_compute_capability for target in targets} == {"12.0"}
+
+
+def test_passwords_and_unsupported_connectors_are_refused():
+    with pytest.raises(ConfigError, match="host n1: the verification suite does not use SSH passwords"):
+        backend_for(SimpleNamespace(name="n1", connector_cls=_ssh(), data=_Data({"ssh_password": "x"})))
+    from pyinfra.connectors.docker import DockerConnector
+
+    with pytest.raises(ConfigError, match="host @docker/ubuntu: .* cannot reach hosts of pyinfra's DockerConnector"):
+        backend_for(SimpleNamespace(name="@docker/ubuntu", connector_cls=DockerConnector, data=_Data({})))
+
+
+def test_missing_inventory_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="inventory file not found"):
+        load_inventory(tmp_path / "nope.py")
+
+
+def test_host_data_overrides_parse_like_pyinfras_data_option():
+    assert parse_host_data(["gpu_count=4", 'gpu_compute_capability="9.0"', "x=true"]) == {
+        "gpu_count": 4, "gpu_compute_capability": "9.0", "x": True}
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_host_data(["gpu_count"])
+    assert split_patterns("a, b,,c") == ["a", "b", "c"] and split_patterns(None) == []
+
+
+def test_testinfra_hosts_get_manifest_expectations_plus_host_data():
+    [target] = targets_from_testinfra(["local://"], {"gpu_count": 2, "service_tp": 2})
+    assert target.name == "local" and target.settings.gpu_count == 2
+    assert target.settings.gpu_compute_capability == "12.0"
+
+
+def test_the_table_lists_checks_in_catalogue_order_with_every_reason():
+    from rich.console import Console
+
+    results = Results()
+    results.add("service_active", "n1", checks.PASSED, "")
+    results.add("driver_version", "n1", checks.SKIPPED, "no NVIDIA driver answers on n1: nvidia-smi not found")
+    results.add("driver_version", "n2", checks.FAILED, "driver 570.1 on n2 is older than 580.82.07")
+    results.add("driver_version", "n2", checks.PASSED, "")  # a later report never hides a failure
+    console = Console(record=True, width=120)
+    render(results, console)
+    text = console.export_text()
+    assert text.index("driver_version") < text.index("service_active")
+    assert "skipped n1 driver_version: no NVIDIA driver answers on n1" in text
+    assert "failed n2 driver_version: driver 570.1 on n2 is older" in text
+    assert "1 passed, 1 failed, 1 skipped on 2 host(s)" in text
+
+
+def test_the_suite_is_parametrised_per_inventory_host(inventory):
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/verify", "--inventory", str(inventory), "--limit", "gpu_hosts",
+         "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ids = [line for line in result.stdout.splitlines() if "::" in line]
+    assert "tests/verify/test_gpu.py::test_driver_version[node-01]" in ids
+    assert "tests/verify/test_release.py::test_package_version[node-02-torch]" in ids
+    assert not any("@local" in line for line in ids)
+    per_host = len(checks.CHECKS) - 1 + len(targets_from_inventory(inventory, "node-01")[0].settings.packages)
+    assert len(ids) == 2 * per_host
+
+
+def test_without_hosts_the_suite_skips_instead_of_guessing():
+    result = subprocess.run([sys.executable, "-m", "pytest", "tests/verify", "-q", "-rs", "-p", "no:cacheprovider"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "got empty parameter set" in result.stdout and " passed" not in result.stdout
+
+
+def test_bad_inventory_stops_the_suite_with_servestacks_message(inventory):
+    result = subprocess.run([sys.executable, "-m", "pytest", "tests/verify", "--inventory", str(inventory),
+                             "--limit", "nowhere", "-q", "-p", "no:cacheprovider"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 4
+    assert "--limit nowhere: no group or host of the inventory matches" in result.stderr
+
+
+def _ssh():
+    from pyinfra.connectors.ssh import SSHConnector
+
+    return SSHConnector
+
+
+class _Data(dict):
+    def dict(self):
+        return dict(self)
+
+
+def test_an_unreachable_host_fails_each_check_once_tried_without_retrying():
+    from servestack.settings import settings_from_data
+    from servestack.verify import Target, Unreachable
+
+    calls = []
+
+    def connect():
+        calls.append(1)
+        raise RuntimeError("ssh: connect to host 10.0.0.9 port 22: Connection timed out")
+
+    target = Target("node-09", settings_from_data("node-09", {}), connect, "ssh://10.0.0.9")
+    for _ in range(3):
+        with pytest.raises(Unreachable, match="cannot run the probes on node-09 .*Connection timed out"):
+            target.probe("host")
+    assert len(calls) == 1
+    with pytest.raises(pytest.fail.Exception, match="cannot run the probes on node-09"):
+        target.check("driver_version")
+
+
+def test_the_example_inventorys_placeholders_are_refused():
+    with pytest.raises(ConfigError, match="host gpu-node-01.example: 'gpu-node-01.example' is a placeholder"):
+        targets_from_inventory(ROOT / "inventory.py")

@@ -1,0 +1,85 @@
+"""The deploy's verification step (operations/verify.py) through pyinfra's @fake connector: it
+reads nothing at prepare, passes quietly, and fails the host naming the check that failed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.connect import connect_all
+from pyinfra.api.deploy import add_deploy
+from pyinfra.api.exceptions import PyinfraError
+from pyinfra.api.operations import run_ops
+
+from operations.verify import DEPLOY_CHECKS, verify
+from servestack import checks
+
+# What the real H200 answers to the GPU section (tests/fixtures/h200-ubuntu2404/nvidia-smi-query.txt).
+H200_GPU = [
+    f"{checks.MARK} begin gpu",
+    "smi_exit 0",
+    "smi 0, NVIDIA H200, 9.0, 580.159.04, 143771 MiB, GPU-b9361222-cb9e-0727-9b70-c512a10ee626, 00000000:00:06.0",
+    f"{checks.MARK} end gpu 0",
+]
+GPU_CHECKS = ("driver_version", "gpu_capability", "gpu_count")
+
+
+def make_state(**data) -> State:
+    host_data = {"fake_delay": 0, "fake_delay_jitter": 0, "gpu_count": 1, "service_tp": 1,
+                 "fake_responses": {"begin gpu": H200_GPU}, **data}
+    state = State(Inventory((["@fake/gpu1"], host_data)), Config())
+    state.print_noop_info = True
+    connect_all(state)
+    return state
+
+
+def fake_host(state: State):
+    return state.inventory.get_host("@fake/gpu1")
+
+
+def test_prepare_reads_nothing_and_predicts_no_change():
+    state = make_state(gpu_compute_capability="9.0")
+    add_deploy(state, verify, names=GPU_CHECKS)
+    host = fake_host(state)
+    assert host.connector.executed_commands == []
+    assert state.get_meta_for_host(host).ops_change == 0
+
+
+def test_passing_checks_change_nothing(caplog):
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    state = make_state(gpu_compute_capability="9.0")
+    add_deploy(state, verify, names=GPU_CHECKS)
+    run_ops(state)
+    host = fake_host(state)
+    assert not state.failed_hosts
+    assert len(host.connector.executed_commands) == 1  # one probe script, no other command
+    assert "verified: 3 check(s) passed, 0 skipped" in caplog.text
+
+
+def test_a_failing_check_fails_the_host_saying_which_and_why():
+    # The manifest expects SM120 (12.0) and the host is an H200. (@fake runs nothing: it is told
+    # that the failure command fails, as `exit 1` does on a real host.)
+    state = make_state(fake_responses={"begin gpu": H200_GPU, "check(s) failed": {"success": False}})
+    add_deploy(state, verify, names=GPU_CHECKS)
+    with pytest.raises(PyinfraError):  # the only host failed
+        run_ops(state)
+    host = fake_host(state)
+    assert host in state.failed_hosts
+    failure = host.connector.executed_commands[-1]
+    assert "exit 1" in failure and "check(s) failed" in failure
+    assert "gpu_capability: expected compute capability 12.0 on @fake/gpu1: GPU 0 (NVIDIA H200, 00000000:00:06.0) reports 9.0" in failure
+
+
+def test_skipped_checks_are_logged_with_their_reason(caplog):
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    state = make_state(fake_responses={"begin gpu": [f"{checks.MARK} begin gpu", "smi_missing",
+                                                     f"{checks.MARK} end gpu 0"]})
+    add_deploy(state, verify, names=GPU_CHECKS)
+    run_ops(state)
+    assert "gpu_count skipped: no NVIDIA driver answers on @fake/gpu1: nvidia-smi not found" in caplog.text
+    assert "verified: 0 check(s) passed, 3 skipped" in caplog.text
+
+
+def test_the_deploy_runs_every_check_but_the_generate_request():
+    assert set(DEPLOY_CHECKS) == {check.name for check in checks.CHECKS} - {"service_generate"}

@@ -1,0 +1,100 @@
+"""A tiny local stack index for the venv tests: stand-in wheels served over HTTP on loopback.
+
+Uses the sandbox's stand-in wheel builders (servestack/sandbox/standins) with the manifest's
+versions, plus a stand-in sglang whose requirements are the real 0.5.9 pins of the stack
+(torch==2.9.1, flashinfer 0.6.3, sgl-kernel==0.3.21): the conflicts the overrides must solve.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from servestack.manifest import load_manifest
+from servestack.sandbox.standins.index import write_simple_index
+from servestack.sandbox.standins.wheels import (
+    PURE_TAG, WheelSpec, broken_wheel, build_wheel, standin_wheel,
+)
+
+SGLANG_PINS = ("torch==2.9.1", "torchaudio==2.9.1", "torchvision", "sgl-kernel==0.3.21",
+               "flashinfer_python==0.6.3", "flashinfer_cubin==0.6.3")
+
+
+def _relabel(version: str, label: str | None) -> str:
+    public = version.split("+")[0]
+    return f"{public}+{label}" if label else public
+
+
+@dataclass
+class StackIndex:
+    root: Path
+    base_url: str
+
+    def url(self, manifest_url: str) -> str:
+        parts = urlsplit(manifest_url)
+        return f"{self.base_url}/{parts.netloc}{parts.path}"
+
+    def host_data(self) -> dict:
+        manifest = load_manifest()
+        data = {f"index_{name}_url": self.url(url) for name, url in manifest.indexes.items()}
+        for package in manifest.packages:
+            if package.wheel:
+                key = "wheel_url_" + package.name.replace("-", "_")
+                data[key] = self.url(package.wheel["x86_64"])
+        return data
+
+
+def build_index(root: Path, torch_label: str = "cu130", broken_torch: str | None = None) -> None:
+    """Lay out pypi, torch, flashinfer indexes and the direct sgl-kernel wheel under `root`."""
+    manifest = load_manifest()
+    work = root / ".work"
+    pypi, torch_index = [], []
+    sglang = WheelSpec("sglang", manifest.package("sglang").version, PURE_TAG,
+                       {"sglang/__init__.py": "__version__ = '%s'\n" % manifest.package("sglang").version},
+                       SGLANG_PINS, "stand-in sglang")
+    pypi.append(build_wheel(sglang, work))
+    for name, version in (("torch", "2.9.1"), ("sgl-kernel", "0.3.21"), ("flashinfer-python", "0.6.3"),
+                          ("flashinfer-cubin", "0.6.3"), ("flashinfer-python", "0.6.4"),
+                          ("flashinfer-cubin", "0.6.4"), ("flashinfer-jit-cache", "0.6.4")):
+        pypi.append(build_wheel(standin_wheel(name, version), work / "pypi"))
+    for package in manifest.packages:
+        if package.index == "torch":
+            torch_index.append(build_wheel(standin_wheel(package.name, _relabel(package.version, torch_label)),
+                                           work / "torch"))
+    if broken_torch:
+        torch_index = [broken_wheel(w, work / "broken", broken_torch) if w.name.startswith("torch-") else w
+                       for w in torch_index]
+    fi = [build_wheel(standin_wheel(p.name, p.version), work / "fi") for p in manifest.packages
+          if p.index == "flashinfer"]
+
+    def place(url, wheels):
+        parts = urlsplit(url)
+        write_simple_index(root / parts.netloc / parts.path.strip("/"), wheels)
+
+    place(manifest.indexes["pypi"], pypi)
+    place(manifest.indexes["torch"], torch_index)
+    place(manifest.indexes["flashinfer"], fi)
+    for package in manifest.packages:
+        if package.wheel:
+            parts = urlsplit(package.wheel["x86_64"])
+            target = root / parts.netloc / parts.path.strip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(build_wheel(standin_wheel(package.name, package.version), work / "direct"), target)
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def serve(root: Path):
+    """Serve `root` on 127.0.0.1 (an ephemeral port) in a thread; returns (server, base_url)."""
+    handler = functools.partial(_Quiet, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
