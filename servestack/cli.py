@@ -8,6 +8,7 @@
     servestack doctor INVENTORY [--limit L] [--json]   preflight checks as a report; changes nothing
     servestack verify INVENTORY [--limit L] [--junit FILE]  the verification suite as a per-host table
     servestack backups INVENTORY [--limit L]       list the environment snapshots kept on each host
+    servestack keys                                 every host-data key, its default and meaning
 """
 
 from __future__ import annotations
@@ -61,7 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
     _inventory_parser(commands, "verify", "run the verification suite, per-host table").add_argument(
         "--junit", default=None)
     _inventory_parser(commands, "backups", "list environment snapshots on each host")
+    commands.add_parser("keys", help="every host-data key with its default and meaning")
     return parser
+
+
+def print_keys() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from servestack.manifest import load_manifest
+    from servestack.settings import host_keys
+
+    manifest = load_manifest()
+    table = Table(title="servestack host-data keys (defaults from files/stack.toml)")
+    for column in ("key", "default", "meaning"):
+        table.add_column(column, overflow="fold")
+    for key in host_keys(manifest).values():
+        default = key.default(manifest)
+        table.add_row(key.name, "—" if default in (None, (), {}) else str(default), key.help)
+    Console().print(table)
+    return 0
 
 
 def _strip_separator(argv: list[str]) -> list[str]:
@@ -107,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             return rehearse(hosts=args.hosts, keep=args.keep)
         if args.command == "sandbox":
             return _sandbox(args)
+        if args.command == "keys":
+            return print_keys()
         return _fleet_report(args)
     except ConfigError as error:
         print(f"servestack: {error}", file=sys.stderr)

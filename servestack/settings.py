@@ -163,18 +163,31 @@ def _wheel_key(package: str) -> str:
     return "wheel_url_" + re.sub(r"[-_.]+", "_", package).lower()
 
 
-_SERVICE_CHECKS = {
-    "name": unit_name, "user": user_name, "launch_module": text, "model_path": text,
-    "draft_model_path": text, "tp": integer(1, 64), "speculative_algorithm": choice(*SPECULATIVE_ALGORITHMS),
-    "speculative_num_steps": integer(1, 16), "speculative_eagle_topk": integer(1, 16),
-    "speculative_num_draft_tokens": integer(1, 64), "attention_backend": text, "host": text,
-    "port": integer(1, 65535), "enable_torch_symm_mem": boolean,
-    "enable_flashinfer_allreduce_fusion": boolean, "start_timeout_s": integer(1),
-    "health_timeout_s": integer(1),
+_SERVICE_KEYS = {  # name: (checker, meaning); defaults are the manifest's [service] table
+    "name": (unit_name, "systemd unit name"),
+    "user": (user_name, "unprivileged system user the server runs as (created by the deploy)"),
+    "launch_module": (text, "python module the unit runs with -m"),
+    "model_path": (text, "--model-path: a local path or a hub id"),
+    "draft_model_path": (text, "--speculative-draft-model-path (the EAGLE-3 draft)"),
+    "tp": (integer(1, 64), "--tp: tensor-parallel size; must divide gpu_count"),
+    "speculative_algorithm": (choice(*SPECULATIVE_ALGORITHMS), "--speculative-algorithm ('NONE': no speculation)"),
+    "speculative_num_steps": (integer(1, 16), "--speculative-num-steps"),
+    "speculative_eagle_topk": (integer(1, 16), "--speculative-eagle-topk"),
+    "speculative_num_draft_tokens": (integer(1, 64), "--speculative-num-draft-tokens (steps + 1 when topk is 1)"),
+    "attention_backend": (text, "--attention-backend"),
+    "host": (text, "--host the server listens on"),
+    "port": (integer(1, 65535), "--port"),
+    "enable_torch_symm_mem": (boolean, "--enable-torch-symm-mem (SM120 needs patch 0001)"),
+    "enable_flashinfer_allreduce_fusion": (boolean, "--enable-flashinfer-allreduce-fusion (no effect on SM120: warned)"),
+    "start_timeout_s": (integer(1), "systemd TimeoutStartSec"),
+    "health_timeout_s": (integer(1), "seconds a restarted server has to answer /health before it is rolled back"),
 }
-_VENV_CHECKS = {
-    "path": abs_path, "releases_dir": abs_path, "python": text,
-    "keep_releases": integer(1), "keep_backups": integer(1),
+_VENV_KEYS = {  # defaults are the manifest's [venv] table
+    "path": (abs_path, "the stable path of the active environment (a symlink to the active release)"),
+    "releases_dir": (abs_path, "where releases (one venv each) are built"),
+    "python": (text, "the host's interpreter new venvs are made with"),
+    "keep_releases": (integer(1), "releases kept (the active and the previous one are never pruned)"),
+    "keep_backups": (integer(1), "environment snapshots kept under servestack_state_dir/backups"),
 }
 
 
@@ -228,10 +241,10 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
     keys += [Key(_wheel_key(package.name), optional(url), _literal(None),
                  f"URL of the {package.name} wheel (the host's architecture's manifest URL by default)")
              for package in manifest.packages if package.wheel]
-    keys += [Key(f"venv_{name}", check, _from("venv", name), f"venv {name}")
-             for name, check in _VENV_CHECKS.items()]
-    keys += [Key(f"service_{name}", check, _from("service", name), f"service {name}")
-             for name, check in _SERVICE_CHECKS.items()]
+    keys += [Key(f"venv_{name}", check, _from("venv", name), meaning)
+             for name, (check, meaning) in _VENV_KEYS.items()]
+    keys += [Key(f"service_{name}", check, _from("service", name), meaning)
+             for name, (check, meaning) in _SERVICE_KEYS.items()]
     return {key.name: key for key in keys}
 
 

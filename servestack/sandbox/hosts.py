@@ -32,6 +32,7 @@ from servestack.sandbox.rootfs import SUDO_USER, Log, ensure_rootfs, log_stderr,
 
 DEFAULT_STATE_ROOT = "/var/tmp/servestack-sandbox"
 CONTROL_ROOT = Path("/run/servestack-sandbox")
+NSPAWN_PROPAGATE = Path("/run/systemd/nspawn/propagate")
 STATE_FILE = "sandbox.json"
 BOOTED_STATES = ("running", "degraded")
 SSH_UNREACHABLE = 255
@@ -339,6 +340,7 @@ class Sandbox:
         cgroups.create(machine)
         self.cgroups.append(machine)
         self._save()
+        clear_propagate_dir(machine)
         launcher = self._launch(host, rootfs)
         self._prepare_tree(host, host.root_path)
         if pre_boot:
@@ -484,6 +486,8 @@ class Sandbox:
             cgroups.kill(name)
             if not cgroups.wait_empty(name, self.stop_timeout):
                 raise SandboxError(f"processes of {name} survived SIGKILL: {sorted(cgroups.pids(name))}")
+        for host in self.hosts:
+            clear_propagate_dir(host.machine)
 
     def _busy_cgroups(self) -> list[str]:
         """Reap our own exited launchers, then list the host cgroups that still hold processes."""
@@ -533,6 +537,19 @@ class Sandbox:
         self.cgroups = list(record["cgroups"])
         self.control_dir = Path(record["control_dir"]) if record["control_dir"] else None
         self.hosts = [Host.from_json(data) for data in record["hosts"]]
+
+
+def clear_propagate_dir(machine: str) -> None:
+    """Remove nspawn's leftover mount-propagation directory of a machine that is not running.
+
+    systemd-nspawn creates /run/systemd/nspawn/propagate/<machine> and refuses to start a machine
+    of that name again while it exists, when /run is not a tmpfs (as on this machine kind):
+    "Attempted to remove disk file system ..., and we can't allow that". Only our own machine
+    names reach here, before their launch and after they stopped.
+    """
+    path = NSPAWN_PROPAGATE / machine
+    if path.is_dir() and not mounts_under(path):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def default_state_dir(name: str) -> Path:

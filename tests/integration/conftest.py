@@ -64,35 +64,63 @@ def sandbox_name() -> Callable[[str], str]:
     return name
 
 
+class Made:
+    """Everything the factories brought up, so each test module's leftovers are torn down with it."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    def add(self, item):
+        self.items.append(item)
+        return item
+
+    def tear_down_from(self, first: int) -> None:
+        """Take down everything made since index `first` (newest first); raise once if any failed."""
+        errors = []
+        while len(self.items) > first:
+            item = self.items.pop()
+            try:
+                item.down()
+            except Exception as error:  # keep tearing down the others
+                errors.append(f"{getattr(item, 'name', item)}: {error}")
+        if errors:
+            raise RuntimeError("sandbox teardown failed: " + "; ".join(errors))
+
+
 @pytest.fixture(scope="session")
-def sandbox(sandbox_rootfs: Path, sandbox_name: Callable[[str], str]) -> Iterator[SandboxFactory]:
+def made() -> Iterator[Made]:
+    registry = Made()
+    try:
+        yield registry
+    finally:
+        registry.tear_down_from(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tear_down_this_modules_sandboxes(made: Made) -> Iterator[None]:
+    """Hosts live at most as long as the test module that made them (memory, inotify instances)."""
+    first = len(made.items)
+    yield
+    made.tear_down_from(first)
+
+
+@pytest.fixture(scope="session")
+def sandbox(sandbox_rootfs: Path, sandbox_name: Callable[[str], str], made: Made) -> SandboxFactory:
     """Factory `sandbox(n=1, *, pre_boot=None, post_boot=None) -> Sandbox` (already up)."""
-    made: list[Sandbox] = []
 
     def make(n: int = 1, *, pre_boot: PreBoot | None = None, post_boot: PostBoot | None = None) -> Sandbox:
-        sb = Sandbox(sandbox_name("t"), rootfs=sandbox_rootfs)
-        made.append(sb)
+        sb = made.add(Sandbox(sandbox_name("t"), rootfs=sandbox_rootfs))
         sb.up(n, pre_boot=pre_boot, post_boot=post_boot)
         return sb
 
-    try:
-        yield make
-    finally:
-        errors = []
-        for sb in made:
-            try:
-                sb.down()
-            except Exception as error:  # keep tearing down the others
-                errors.append(f"{sb.name}: {error}")
-        if errors:
-            raise RuntimeError("sandbox teardown failed: " + "; ".join(errors))
+    return make
 
 
 LabFactory = Callable[..., "Lab"]
 
 
 @pytest.fixture(scope="session")
-def lab(sandbox_rootfs: Path, sandbox_name: Callable[[str], str]) -> Iterator[LabFactory]:
+def lab(sandbox_rootfs: Path, sandbox_name: Callable[[str], str], made: Made) -> LabFactory:
     """Factory `lab(n=1, **Lab.up kwargs) -> Lab`: dressed GPU-host stand-ins + artifact server, up.
 
     `lab.inventory_path` is a pyinfra inventory for them; run pyinfra in the controller
@@ -100,22 +128,9 @@ def lab(sandbox_rootfs: Path, sandbox_name: Callable[[str], str]) -> Iterator[La
     """
     from servestack.sandbox.lab import Lab
 
-    made: list[Lab] = []
-
     def make(n: int = 1, **kwargs) -> Lab:
-        the_lab = Lab(sandbox_name("l"), rootfs=sandbox_rootfs)
-        made.append(the_lab)
+        the_lab = made.add(Lab(sandbox_name("l"), rootfs=sandbox_rootfs))
         the_lab.up(n, **kwargs)
         return the_lab
 
-    try:
-        yield make
-    finally:
-        errors = []
-        for the_lab in made:
-            try:
-                the_lab.down()
-            except Exception as error:  # keep tearing down the others
-                errors.append(f"{the_lab.sandbox.name}: {error}")
-        if errors:
-            raise RuntimeError("lab teardown failed: " + "; ".join(errors))
+    return make

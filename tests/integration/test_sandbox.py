@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from servestack.sandbox.hosts import NSPAWN_PROPAGATE
 from servestack.sandbox import SUDO_USER, AddressCollision, Host, Sandbox, SandboxError
 from servestack.sandbox import cgroups, network, rootfs
 from servestack.sandbox.network import POOL, UsedNetwork, choose_links, parse_resolvers, parse_routes
@@ -222,6 +223,7 @@ def leftovers(sb: Sandbox, names: list[str]) -> list[str]:
     mounts = Path("/proc/self/mounts").read_text()
     found += [f"mount of {sb.state_dir}" for _ in [1] if str(sb.state_dir) in mounts]
     found += [f"process {pid}" for pid in live_processes_mentioning(f"ss{sb.id}-")]
+    found += [f"nspawn propagate dir {path}" for path in NSPAWN_PROPAGATE.glob(f"ss{sb.id}-*")]
     return found
 
 
@@ -254,6 +256,18 @@ def test_failing_test_inside_context_manager_leaves_nothing(sandbox_rootfs, sand
             assert all(network.netns_exists(name) for name in names)
             raise AssertionError("boom")
     assert names and leftovers(sb, names) == []
+
+
+@integration
+def test_a_machine_name_used_before_boots_again(sandbox_rootfs, sandbox_name):
+    """nspawn refuses a machine whose propagate dir is left over on a non-tmpfs /run (this machine kind)."""
+    sb = Sandbox(sandbox_name("again"), rootfs=sandbox_rootfs)
+    leftover = NSPAWN_PROPAGATE / f"ss{sb.id}-h1"
+    leftover.mkdir(parents=True, exist_ok=True)
+    with sb:
+        sb.up(1)
+        assert sb.exec(sb.hosts[0], "true").returncode == 0
+    assert not leftover.exists()
 
 
 @integration
