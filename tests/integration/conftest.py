@@ -98,7 +98,15 @@ def made() -> Iterator[Made]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _tear_down_this_modules_sandboxes(made: Made) -> Iterator[None]:
-    """Hosts live at most as long as the test module that made them (memory, inotify instances)."""
+    """Hosts made by module-scoped fixtures live as long as their module (memory, inotify instances)."""
+    first = len(made.items)
+    yield
+    made.tear_down_from(first)
+
+
+@pytest.fixture(autouse=True)
+def _tear_down_this_tests_sandboxes(made: Made) -> Iterator[None]:
+    """Hosts made by a test (or its function-scoped fixtures) end with it: they never pile up."""
     first = len(made.items)
     yield
     made.tear_down_from(first)
