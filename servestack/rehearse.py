@@ -68,7 +68,7 @@ def _tail(text: str, lines: int = 40) -> str:
 def dry_run(lab, inventory: Path, outcome: Outcome) -> None:
     before = lab.fingerprints()
     result = _timed(outcome, "dry run", lambda: _run(lab, pyinfra_argv(inventory, "--dry", "--diff")))
-    console.print(_tail(result.stdout + result.stderr, 80), markup=False, highlight=False)
+    console.print(result.stderr + result.stdout, markup=False, highlight=False)
     if result.returncode != 0:
         raise RehearsalFailed(f"dry run failed (exit {result.returncode})")
     if lab.fingerprints() != before:

@@ -33,6 +33,8 @@ from servestack.sandbox.rootfs import SUDO_USER, Log, ensure_rootfs, log_stderr,
 DEFAULT_STATE_ROOT = "/var/tmp/servestack-sandbox"
 CONTROL_ROOT = Path("/run/servestack-sandbox")
 NSPAWN_PROPAGATE = Path("/run/systemd/nspawn/propagate")
+#: inotify instances one booted host holds (measured: ~7).
+INOTIFY_PER_HOST = 8
 STATE_FILE = "sandbox.json"
 BOOTED_STATES = ("running", "degraded")
 SSH_UNREACHABLE = 255
@@ -194,6 +196,7 @@ class Sandbox:
         if self.state_file.exists():
             raise SandboxError(f"sandbox {self.name!r} is already up (state in {self.state_dir}); run down first")
         links = network.choose_links(n, network.machine_networks())
+        refuse_without_inotify_room(n)
         rootfs = self.rootfs or ensure_rootfs(log=self.log)
         started = time.monotonic()
         self._claim_state_dir()
@@ -537,6 +540,33 @@ class Sandbox:
         self.cgroups = list(record["cgroups"])
         self.control_dir = Path(record["control_dir"]) if record["control_dir"] else None
         self.hosts = [Host.from_json(data) for data in record["hosts"]]
+
+
+def inotify_instances_in_use() -> int:
+    """inotify instances open by all processes (they count against one per-user limit, root's here)."""
+    count = 0
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            count += sum(1 for fd in fd_dir.iterdir() if os.readlink(fd) == "anon_inode:inotify")
+        except OSError:  # the process ended, or a descriptor closed, while we looked
+            continue
+    return count
+
+
+def refuse_without_inotify_room(hosts: int) -> None:
+    """Refuse (before creating anything) when `hosts` more systemd hosts would exhaust inotify instances.
+
+    Each booted host's systemd, journald, logind and dbus hold about INOTIFY_PER_HOST instances;
+    past fs.inotify.max_user_instances new hosts hang at boot with no sshd, which reads as a timeout.
+    """
+    limit = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
+    needed = inotify_instances_in_use() + hosts * INOTIFY_PER_HOST
+    if needed > limit:
+        raise SandboxError(
+            f"{hosts} more host(s) need about {hosts * INOTIFY_PER_HOST} inotify instances but only "
+            f"{max(0, limit - inotify_instances_in_use())} of fs.inotify.max_user_instances={limit} are free "
+            "(other sandboxes are up?): take some down, or raise the limit, e.g. "
+            "`sysctl fs.inotify.max_user_instances=1024`")
 
 
 def clear_propagate_dir(machine: str) -> None:

@@ -25,3 +25,15 @@ def test_bad_host_data_is_refused_before_connecting(lab):
     assert run.returncode != 0
     assert "host h1: 'service_tp': expected a tensor-parallel size that divides gpu_count=3, got 8" in run.output
     assert "Connecting to hosts" not in run.output
+
+
+def test_the_whole_deploy_converges_as_a_sudo_user_and_then_changes_nothing(lab):
+    the_lab = lab(1, user="ubuntu")
+    assert "'ssh_user': 'ubuntu'" in the_lab.inventory_path.read_text()
+    first = apply(the_lab)
+    assert first.totals["success"] > 0
+    second = apply(the_lab)
+    assert second.totals["success"] == 0 and second.totals["error"] == 0
+    owner = the_lab.exec(the_lab.hosts[0], "stat -c %U /usr/local/cuda-13.0/bin/nvcc; readlink /opt/ml-env",
+                         check=True).stdout.split()
+    assert owner[0] == "root" and owner[1].startswith("/opt/servestack/releases/r-")

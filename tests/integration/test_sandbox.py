@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from servestack.sandbox import hosts as hosts_module
 from servestack.sandbox.hosts import NSPAWN_PROPAGATE
 from servestack.sandbox import SUDO_USER, AddressCollision, Host, Sandbox, SandboxError
 from servestack.sandbox import cgroups, network, rootfs
@@ -374,3 +375,12 @@ def test_concurrent_processes_extract_the_rootfs_once(sandbox_rootfs, tmp_path):
         assert not list((cache / f"rootfs-{key}/etc/ssh").glob("ssh_host_*"))
     finally:
         shutil.rmtree(cache)  # a whole rootfs: do not leave it to pytest's tmp retention
+
+
+def test_up_refuses_clearly_when_inotify_instances_would_run_out(monkeypatch, tmp_path):
+    """Past fs.inotify.max_user_instances hosts hang at boot; refuse before creating anything."""
+    monkeypatch.setattr(hosts_module, "inotify_instances_in_use", lambda: 120)
+    sb = Sandbox("inotify", state_dir=tmp_path / "state")
+    with pytest.raises(SandboxError, match=r"fs.inotify.max_user_instances=\d+ are free"):
+        sb.up(2)
+    assert not (tmp_path / "state").exists()
