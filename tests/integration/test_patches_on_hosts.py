@@ -70,7 +70,7 @@ def test_dry_run_shows_each_diff_and_changes_nothing_then_applies_once(patch_hos
 def test_on_0_5_10_the_kimi_patch_is_reported_upstream(patch_host):
     the_lab, host, deploy = patch_host
     assert apply(the_lab, deploy, *data("v0510")).totals["success"] == 1
-    again = run_pyinfra(the_lab, "-y", *data("v0510"), target=deploy)
+    again = run_pyinfra(the_lab, "-y", "-v", *data("v0510"), target=deploy)
     assert again.returncode == 0
     assert f"sglang 0.5.10 patches: all in place ({SM120} applied, {KIMI} upstream)" in again.output
 
