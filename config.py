@@ -2,11 +2,14 @@
 
 It makes servestack validate the manifest and every targeted host's data as soon as the
 inventory is loaded, before pyinfra opens any connection: bad input stops the run with one
-message naming each host, key and expectation.
+message naming each host, key and expectation. It also sets TCP_NODELAY on every SSH connection
+(servestack/sshtune.py: ~7x cheaper remote commands).
 """
 
 from pyinfra import state
 
 from servestack.preconnect import validate_after_inventory_load
+from servestack.sshtune import enable_tcp_nodelay
 
 validate_after_inventory_load(state)
+enable_tcp_nodelay()

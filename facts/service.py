@@ -11,6 +11,7 @@ import json
 import shlex
 
 from pyinfra.api import FactBase
+from pyinfra.facts.server import Users
 
 # Properties read from `systemctl show`; the restart decision and the tests use them.
 UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "UnitFileState",
@@ -164,6 +165,19 @@ class UserEntry(FactBase):
         if len(fields) < 7:
             return None
         return {"uid": int(fields[2]), "home": fields[5], "shell": fields[6]}
+
+
+class UserAccount(Users):
+    """
+    pyinfra's ``Users`` fact for one user: ``{user: {"home", "shell", "comment", "group", "groups", ...}}``
+    or ``{}``. Same parser; reads one passwd entry instead of running ``id`` and ``lastlog`` for
+    every account on the host (~0.4 s).
+    """
+
+    def command(self, user: str) -> str:
+        quoted = shlex.quote(user)
+        return (f"ENTRY=$(getent passwd {quoted}); if [ -n \"$ENTRY\" ]; then "
+                f"echo \"$ENTRY|$(id -gn {quoted})|$(id -Gn {quoted})||\"; fi; true")
 
 
 class PathOwner(FactBase):

@@ -7,8 +7,9 @@ from pyinfra.api import OperationError, deploy, operation
 from pyinfra.api.output import format_text
 
 from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, remote_command
-from operations.venv import planned_release
-from servestack import patchlib
+from facts.probe import FactRequest
+from operations.venv import planned_only, planned_release
+from servestack import patchlib, probe
 from servestack.settings import host_settings
 
 PACKAGE = "sglang"
@@ -40,8 +41,8 @@ def sglang_patches(python: str, record_path: str | None = None, patch_root: str 
             record_path="/opt/servestack/releases/2026-01-01/servestack-patches.json",
         )
     """
-    status = host.get_fact(PatchStates, python=python, package=PACKAGE, record_path=record_path,
-                           patch_root=patch_root)
+    status = probe.fact(host, PatchStates, python=python, package=PACKAGE, record_path=record_path,
+                        patch_root=patch_root)
     if not status["installed"]:
         what = f"no python at {python}" if status.get("python_missing") else f"{PACKAGE} is not installed in {python}"
         if host.state.is_executing:
@@ -67,6 +68,7 @@ def sglang_patches(python: str, record_path: str | None = None, patch_root: str 
     if host.state.config.DIFF:
         _log_diffs(pending, status)
     yield remote_command(python, "apply", PACKAGE, record_path, patch_root)
+    probe.changed(host)  # the release's sources and its patch record (named in the service's unit)
 
 
 def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what: str):
@@ -87,6 +89,7 @@ def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what
         _log_diffs([{"name": name, "diff": text} for name, text in patch_set["patches"]],
                    {"site_packages": f"the new release ({python})"})
     yield remote_command(python, "apply", PACKAGE, record_path, patch_root)
+    probe.changed(host)
 
 
 def _summary(patches: list) -> str:
@@ -109,6 +112,15 @@ def release_paths() -> tuple:
     """(python, record_path) of the release this run leaves active (built by the venv step)."""
     release = planned_release(host)
     return release.python, f"{release.dir}/{RECORD_FILE}"
+
+
+@probe.expects
+def _expected_facts(host_) -> list[FactRequest]:
+    release = planned_only(host_)
+    if release is None:
+        return []
+    return [FactRequest.of(PatchStates, python=release.python, package=PACKAGE,
+                           record_path=f"{release.dir}/{RECORD_FILE}", patch_root=str(PATCH_ROOT))]
 
 
 @deploy("SGLang patches")

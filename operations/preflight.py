@@ -29,6 +29,7 @@ from pyinfra.api import deploy, operation
 from facts.gpu import GpuReport
 from facts.host import lock_path, release_lock_command, take_lock_command
 from facts.preflight import HostPreflight, PreflightFacts
+from facts.probe import FactRequest
 from operations.toolkit import (
     assess_install,
     human_bytes,
@@ -37,6 +38,7 @@ from operations.toolkit import (
     runfile_candidates,
     runfile_source,
 )
+from servestack import probe
 from servestack.hostrun import (
     controller_id,
     is_executing,
@@ -81,6 +83,11 @@ def preflight_fact_arguments(settings: Settings) -> dict:
         "files": runfile_candidates(settings),
         "disk_paths": (settings.cuda_cache_dir, settings.cuda_tmpdir, settings.cuda_install_path),
     }
+
+
+@probe.expects
+def _expected_facts(host_) -> list[FactRequest]:
+    return [FactRequest.of(HostPreflight, **preflight_fact_arguments(host_settings(host_)))]
 
 
 def check_driver(settings: Settings, gpu: GpuReport) -> Check:
@@ -277,7 +284,7 @@ def _read_facts(settings: Settings) -> PreflightFacts:
     prepared = _PREPARED.pop((id(host.state), host.name), None)
     if prepared is not None and not is_executing(host):
         return prepared
-    return host.get_fact(HostPreflight, **preflight_fact_arguments(settings))
+    return probe.fact(host, HostPreflight, **preflight_fact_arguments(settings))
 
 
 @operation()
@@ -337,7 +344,7 @@ def preflight() -> bool:
     deploy.py skips the remaining steps of a refused host: `if preflight.preflight(): ...`.
     """
     settings = host_settings(host)
-    facts = host.get_fact(HostPreflight, **preflight_fact_arguments(settings))
+    facts = probe.fact(host, HostPreflight, **preflight_fact_arguments(settings))
     problems = problems_of(evaluate(settings, facts, run_id(host.state)))
     if problems:
         refuse_now(host, problems)

@@ -27,15 +27,17 @@ import jinja2
 from pyinfra import host, logger
 from pyinfra.api import FileUploadCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.output import format_text
-from pyinfra.facts.files import FileContents, Sha256File
+from pyinfra.facts.files import Directory, FileContents, Sha256File
 from pyinfra.facts.server import Groups, Which
 from pyinfra.operations import server
 from pyinfra.operations.util.files import generate_color_diff
 
+from facts.probe import FactRequest
 from facts.service import (PatchsetDigest, PathOwner, Releases, ServiceRecord, UnitState, UnreadableBy,
-                           UserEntry, VenvTarget, release_id_of)
+                           UserAccount, UserEntry, VenvTarget, release_id_of)
 from operations import venv as venv_step
 from operations.releases import Release, release_at
+from servestack import probe
 from servestack.errors import ConfigError
 from servestack.manifest import PROJECT_ROOT
 from servestack.settings import Settings, host_settings
@@ -78,7 +80,7 @@ class NoEffect:
     why: str
 
 
-# Knowledge about specific releases (docs: /work/shared/notes/stack-facts.md), matched against
+# Knowledge about specific releases (see stack-facts in the project notes), matched against
 # the version the manifest installs; an unlisted version gets no warning.
 NO_EFFECT = (
     NoEffect("service_enable_flashinfer_allreduce_fusion", "sglang", "0.5.9", (9, 10),
@@ -387,13 +389,13 @@ def rollout_failures(state, op_hash: str) -> list[str]:
 # -- facts the operations share ----------------------------------------------------------------------
 
 def active_release(settings: Settings) -> Release | None:
-    target = host.get_fact(VenvTarget, path=settings.venv_path)
+    target = probe.fact(host, VenvTarget, path=settings.venv_path)
     release_id = release_id_of(target.get("target"), settings.venv_releases_dir)
     return release(settings, release_id) if release_id else None
 
 
 def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[str, ...]) -> str:
-    patchset = host.get_fact(PatchsetDigest, release_dir=rel.dir) if rel.id != PENDING_RELEASE else None
+    patchset = probe.fact(host, PatchsetDigest, release_dir=rel.dir) if rel.id != PENDING_RELEASE else None
     return render_unit(settings, rel, patchset, supplementary_groups, bool(settings.service_secret_env))
 
 
@@ -438,7 +440,7 @@ def cache_directory(settings: Settings):
         yield fail_command(_no_release_message(settings))
         return
     path = cache_dir(settings, rel.id)
-    found = host.get_fact(PathOwner, path=path)
+    found = probe.fact(host, PathOwner, path=path)
     if found == {"owner": settings.service_user, "mode": "750"}:
         host.noop(f"cache directory {path} exists")
         return
@@ -446,6 +448,7 @@ def cache_directory(settings: Settings):
     yield StringCommand("install", "-d", "-m", "755", "-o", "root", "-g", "root",
                         QuoteString(settings.service_cache_dir))
     yield StringCommand("install", "-d", "-m", "750", "-o", user, "-g", user, QuoteString(path))
+    probe.changed(host, PathOwner)
 
 
 @operation()
@@ -461,7 +464,7 @@ def secrets_file(settings: Settings, content: Secret | None):
     0600 before any byte is written, through a private (0700) temporary directory.
     """
     path = secrets_path(settings)
-    current = host.get_fact(Sha256File, path=path)
+    current = probe.fact(host, Sha256File, path=path)
     if content is None:
         if current is None:
             host.noop("no secrets configured and no secrets file")
@@ -469,6 +472,7 @@ def secrets_file(settings: Settings, content: Secret | None):
         if host.state.config.DIFF:
             host.log(f"Will remove the secrets file {path} (service_secret_env is empty)", logger.info)
         yield StringCommand("rm", "-f", QuoteString(path))
+        probe.changed(host, Sha256File)
         return
     if current == sha256_text(content):
         host.noop(f"secrets file {path} is current")
@@ -484,6 +488,7 @@ def secrets_file(settings: Settings, content: Secret | None):
     yield FileUploadCommand(StringIO(content), staging, remote_temp_filename=f"{private_dir}/secrets")
     yield StringCommand("rm", "-rf", QuoteString(private_dir), _sudo=False)
     yield StringCommand("mv", "-f", QuoteString(staging), QuoteString(path))
+    probe.changed(host, Sha256File)
 
 
 @operation()
@@ -504,24 +509,24 @@ def unit(settings: Settings, supplementary_groups: tuple[str, ...] = (), pre_dep
     if rel is None:
         yield fail_command(_no_release_message(settings))
         return
-    if not host.get_fact(Which, command="curl"):
+    if not probe.fact(host, Which, command="curl"):
         yield fail_command("curl is needed on the host for the service health gate; install it "
                            "(the service was not touched)")
         return
-    state = host.get_fact(UnitState, unit=settings.service_name)
+    state = probe.fact(host, UnitState, unit=settings.service_name)
     if state.get("SystemdRunning") == "no":
         yield fail_command("systemd is not the init system here (no /run/systemd/system): "
                            f"{settings.service_name} cannot run on this host")
         return
     text = desired_unit(settings, rel, supplementary_groups)
     path = unit_path(settings)
-    current_sha = host.get_fact(Sha256File, path=path)
+    current_sha = probe.fact(host, Sha256File, path=path)
     copy_path = f"{rel.dir}/{settings.service_name}"
     changes_unit = current_sha != sha256_text(text)
     commands = []
     if changes_unit:
-        current_lines = host.get_fact(FileContents, path=path) or []
-        if current_sha and host.get_fact(ServiceRecord, path=record_path(settings)) is None:
+        current_lines = probe.fact(host, FileContents, path=path) or []
+        if current_sha and probe.fact(host, ServiceRecord, path=record_path(settings)) is None:
             commands += _baseline_commands(settings, current_lines, pre_deploy_venv)
         if host.state.config.DIFF:
             _log_unit_diff(path, current_lines, text)
@@ -529,7 +534,7 @@ def unit(settings: Settings, supplementary_groups: tuple[str, ...] = (), pre_dep
         commands.append(StringCommand("systemctl", "daemon-reload"))
     elif state.get("NeedDaemonReload") == "yes":
         commands.append(StringCommand("systemctl", "daemon-reload"))
-    if rel.id != PENDING_RELEASE and host.get_fact(Sha256File, path=copy_path) != sha256_text(text):
+    if rel.id != PENDING_RELEASE and probe.fact(host, Sha256File, path=copy_path) != sha256_text(text):
         commands += _upload_commands(text, copy_path)
     if state.get("UnitFileState") != "enabled":
         commands.append(StringCommand("systemctl", "enable", "--", QuoteString(settings.service_name)))
@@ -537,6 +542,7 @@ def unit(settings: Settings, supplementary_groups: tuple[str, ...] = (), pre_dep
         host.noop(f"{path} is current for release {rel.id}")
         return
     yield from commands
+    probe.changed(host, Sha256File, UnitState, ServiceRecord, FileContents)
 
 
 def _upload_commands(text: str, dest: str) -> list:
@@ -575,7 +581,7 @@ def _pre_deploy_release(settings: Settings, pre_deploy_venv: dict | None) -> str
     if pre.get("kind") == "link":
         return release_id_of(pre.get("target"), settings.venv_releases_dir)
     if pre.get("kind") == "directory":
-        adopted = [name for name in host.get_fact(Releases, releases_dir=settings.venv_releases_dir)
+        adopted = [name for name in probe.fact(host, Releases, releases_dir=settings.venv_releases_dir)
                    if name.startswith("adopted-")]
         return max(adopted) if adopted else None
     return None
@@ -608,14 +614,14 @@ def restart(settings: Settings, secrets_sha: str | None = None, supplementary_gr
         yield fail_command(_no_release_message(settings))
         return
     wanted = fingerprint(desired_unit(settings, rel, supplementary_groups), secrets_sha)
-    record = host.get_fact(ServiceRecord, path=record_path(settings))
-    state = host.get_fact(UnitState, unit=settings.service_name)
+    record = probe.fact(host, ServiceRecord, path=record_path(settings))
+    state = probe.fact(host, UnitState, unit=settings.service_name)
     active = state.get("ActiveState", "unknown")
     if record and record.get("fingerprint") == wanted and active in RUNNING_STATES:
         host.noop(f"{settings.service_name} runs release {rel.id} as last verified healthy; not restarted")
         return
     local_paths = local_model_paths(settings)
-    unreadable = host.get_fact(UnreadableBy, user=settings.service_user, paths=local_paths) if local_paths else []
+    unreadable = probe.fact(host, UnreadableBy, user=settings.service_user, paths=local_paths) if local_paths else []
     if unreadable:
         yield fail_command(f"the service user {settings.service_user} cannot read {', '.join(unreadable)} "
                            "(service_model_path / service_draft_model_path): grant it read access; "
@@ -635,6 +641,65 @@ def restart(settings: Settings, secrets_sha: str | None = None, supplementary_gr
     verb = "restarting" if host.state.is_executing else "will restart"
     host.log(f"{verb} {settings.service_name} on release {rel.id}: {why}", logger.info)
     yield gate_command(gate_environment(settings, rel, wanted, record))
+    probe.changed(host)  # restarted, or rolled back to the last known-good release and unit
+
+
+SERVICE_USER_COMMENT = "SGLang service (servestack)"
+SERVICE_USER_SHELL = "/usr/sbin/nologin"
+
+
+def _user_is_current(settings: Settings, groups: tuple[str, ...]) -> bool:
+    """What `server.user` below would check, read from the probe: no change when all match."""
+    existing = probe.fact(host, UserAccount, user=settings.service_user).get(settings.service_user)
+    home = probe.fact(host, Directory, path=home_dir(settings))
+    return bool(existing) and bool(home) and existing.get("home") == home_dir(settings) \
+        and existing.get("shell") == SERVICE_USER_SHELL and existing.get("comment") == SERVICE_USER_COMMENT \
+        and set(existing.get("groups") or ()) == set(groups) \
+        and home.get("user") == settings.service_user and home.get("group") == settings.service_user
+
+
+@operation()
+def service_user(settings: Settings, groups: tuple[str, ...] = ()):
+    """
+    The service's dedicated system user (pyinfra's ``server.user``), with its home directory.
+
+    + settings: the host's validated settings
+    + groups: its supplementary groups (the GPU device groups present on the host)
+    """
+    if _user_is_current(settings, groups):
+        host.noop(f"user {settings.service_user} exists as configured")
+        return
+    yield from server.user._inner(
+        user=settings.service_user,
+        system=True,
+        shell=SERVICE_USER_SHELL,
+        home=home_dir(settings),
+        groups=list(groups),
+        comment=SERVICE_USER_COMMENT,
+    )
+    probe.changed(host, UserAccount, Directory, UserEntry, UnreadableBy, PathOwner)
+
+
+@probe.expects
+def _expected_facts(host_) -> list[FactRequest]:
+    settings = host_settings(host_)
+    facts = [FactRequest.of(Groups), FactRequest.of(UserAccount, user=settings.service_user), FactRequest.of(UserEntry, user=settings.service_user),
+             FactRequest.of(Directory, path=home_dir(settings)),
+             FactRequest.of(VenvTarget, path=settings.venv_path), FactRequest.of(Which, command="curl"),
+             FactRequest.of(UnitState, unit=settings.service_name),
+             FactRequest.of(Sha256File, path=unit_path(settings)),
+             FactRequest.of(Sha256File, path=secrets_path(settings)),
+             FactRequest.of(ServiceRecord, path=record_path(settings))]
+    rel = venv_step.planned_only(host_)
+    if rel is None:
+        target = probe.cached(host_, VenvTarget, path=settings.venv_path) or {}
+        release_id = release_id_of(target.get("target"), settings.venv_releases_dir)
+        rel = release(settings, release_id) if release_id else None
+    if rel is not None:
+        facts += [FactRequest.of(PatchsetDigest, release_dir=rel.dir),
+                  FactRequest.of(PathOwner, path=cache_dir(settings, rel.id)),
+                  FactRequest.of(Sha256File, path=f"{rel.dir}/{settings.service_name}")]
+    return facts
 
 
 @deploy("SGLang service")
@@ -648,27 +713,19 @@ def sglang_service():
     for warning in ineffective_settings(settings):
         logger.warning(f"{host.print_prefix}{warning}")
     _refuse_login_user(settings)
-    groups = tuple(group for group in GPU_GROUPS if group in host.get_fact(Groups))
-    server.user(
-        name=f"Service user {settings.service_user}",
-        user=settings.service_user,
-        system=True,
-        shell="/usr/sbin/nologin",
-        home=home_dir(settings),
-        groups=list(groups),
-        comment="SGLang service (servestack)",
-    )
+    groups = tuple(group for group in GPU_GROUPS if group in probe.fact(host, Groups))
+    service_user(name=f"Service user {settings.service_user}", settings=settings, groups=groups)
     cache_directory(name="Service JIT cache directory", settings=settings)
     secrets_file(name="Service secrets file", settings=settings, content=secrets)
     unit(name=f"Unit {settings.service_name}", settings=settings, supplementary_groups=groups,
-         pre_deploy_venv=host.get_fact(VenvTarget, path=settings.venv_path))
+         pre_deploy_venv=probe.fact(host, VenvTarget, path=settings.venv_path))
     restart(name=f"Health-gated restart of {settings.service_name}", settings=settings,
             secrets_sha=sha256_text(secrets) if secrets else None, supplementary_groups=groups,
             _parallel=settings.rollout_batch)
 
 
 def _refuse_login_user(settings: Settings) -> None:
-    entry = host.get_fact(UserEntry, user=settings.service_user)
+    entry = probe.fact(host, UserEntry, user=settings.service_user)
     if entry and entry["uid"] >= FIRST_LOGIN_UID:
         raise ConfigError(f"host {host.name}: 'service_user': {settings.service_user} is an existing login "
                           f"user (uid {entry['uid']}); the service runs as a dedicated system user: "

@@ -33,6 +33,8 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
 from facts.host import busy_path
+from facts.preflight import HostPreflight
+from facts.probe import FactRequest
 from facts.toolkit import (
     CudaToolkits,
     Digest,
@@ -45,7 +47,7 @@ from facts.toolkit import (
     marker_path,
     record_path,
 )
-from servestack import download
+from servestack import probe
 from servestack.hostrun import (
     host_refused,
     is_executing,
@@ -122,6 +124,11 @@ def toolkit_fact_arguments(settings: Settings) -> dict:
         "state_dir": settings.servestack_state_dir,
         "files": runfile_candidates(settings),
     }
+
+
+@probe.expects
+def _expected_facts(host_) -> list[FactRequest]:
+    return [FactRequest.of(CudaToolkits, **toolkit_fact_arguments(host_settings(host_)))]
 
 
 # Is the wanted toolkit there?
@@ -224,15 +231,11 @@ def assess_install(settings: Settings, tree: Tree, marker: dict | None = None) -
 
 def digest_problem(runfile: Runfile, digest: Digest | None) -> str | None:
     """Why a digest is not the runfile's, or None when size, md5 and sha256 all match."""
+    from servestack import download  # requests and rich.progress: imported only when a runfile is checked
+
     if digest is None or not digest.present:
         return "the file is missing"
-    if digest.stat.size != runfile.size:
-        return f"size {digest.stat.size} bytes, expected {runfile.size}"
-    if digest.md5 != runfile.md5:
-        return f"md5 {digest.md5}, expected {runfile.md5}"
-    if digest.sha256 != runfile.sha256:
-        return f"sha256 {digest.sha256}, expected {runfile.sha256}"
-    return None
+    return download.mismatch(runfile, download.Sums(digest.stat.size, digest.md5, digest.sha256))
 
 
 @dataclass(frozen=True)
@@ -533,6 +536,8 @@ def _check_after_install(state, host, settings: Settings, expected_chain: LinkCh
 
 def _upload_from_controller(state, host, runfile: Runfile, part: str) -> bool:
     """Download the runfile once on the control machine (verified), then send it to this host."""
+    from servestack import download
+
     try:
         local = download.fetch_runfile(runfile)
         host.log(f"uploading {human_bytes(runfile.size)} from {local}")
@@ -637,7 +642,7 @@ def runfile_toolkit():
     if host_refused(host):
         noop(host, "host refused by preflight")
         return
-    state = host.get_fact(CudaToolkits, **toolkit_fact_arguments(settings))
+    state = probe.fact(host, CudaToolkits, **toolkit_fact_arguments(settings))
     source = runfile_source(settings, state.arch)
     verdict = assess_install(settings, state.install, state.marker)
     if source is None or verdict.refused:
@@ -658,6 +663,8 @@ def runfile_toolkit():
     for line in steps.lines:
         plan(host, line)
     yield from steps.commands
+    if steps.commands:
+        probe.changed(host, CudaToolkits, HostPreflight)
 
 
 def _needed_digest(source: RunfileSource, stats: dict) -> Digest | None:

@@ -36,11 +36,13 @@ from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 from pyinfra.api.exceptions import OperationError
 
+from facts.probe import FactRequest
 from facts.venv import MlEnvState
 from operations.releases import (
     CHECK, NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
     release_plan, releases_to_prune, rollback_target, tool_command,
 )
+from servestack import probe
 from servestack.settings import host_settings, real_host
 
 # The release each host's run leaves active, set while deploy.py / rollback.py are prepared.
@@ -58,11 +60,20 @@ def uv_cache_dir(settings) -> str:
     return settings.uv_cache_dir or os.path.dirname(settings.venv_releases_dir.rstrip("/")) + "/uv-cache"
 
 
+def mlenv_fact_arguments(settings, packages: bool = False) -> dict:
+    return {"venv_path": settings.venv_path, "releases_dir": settings.venv_releases_dir,
+            "state_dir": settings.servestack_state_dir, "uv": uv_binary(settings),
+            "python": settings.venv_python, "packages": packages}
+
+
+@probe.expects
+def _expected_facts(host_) -> list[FactRequest]:
+    return [FactRequest.of(MlEnvState, **mlenv_fact_arguments(host_settings(host_)))]
+
+
 def env_state(settings, packages: bool = False) -> dict:
     """The MlEnvState fact; `packages` also lists the active environment's packages."""
-    state = host.get_fact(MlEnvState, venv_path=settings.venv_path, releases_dir=settings.venv_releases_dir,
-                          state_dir=settings.servestack_state_dir, uv=uv_binary(settings),
-                          python=settings.venv_python, packages=packages)
+    state = probe.fact(host, MlEnvState, **mlenv_fact_arguments(settings, packages))
     if state is None:
         raise OperationError(f"host {host.name}: '{settings.venv_python}' (venv_python) is not on the "
                              "host's PATH; servestack needs it to build the ML environment")
@@ -77,9 +88,7 @@ def active_release(host_=None) -> Release | None:
     """The release venv_path points at now (None: missing, hand-made or foreign)."""
     target = host_ if host_ is not None else host
     settings = host_settings(target)
-    state = target.get_fact(MlEnvState, venv_path=settings.venv_path, releases_dir=settings.venv_releases_dir,
-                            state_dir=settings.servestack_state_dir, uv=uv_binary(settings),
-                            python=settings.venv_python, packages=False)
+    state = probe.fact(target, MlEnvState, **mlenv_fact_arguments(settings, packages=False))
     release = ((state or {}).get("venv_path") or {}).get("release")
     return release_at(settings.venv_releases_dir, release) if release else None
 
@@ -162,6 +171,7 @@ def backup_env(target: str, reason: str = "before change"):
         return
     yield tool_command(settings.venv_python, "backup",
                        _params(settings, keep=settings.venv_keep_backups, reason=reason))
+    probe.changed(host, MlEnvState)
 
 
 @operation()
@@ -192,6 +202,7 @@ def build_release():
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
                      python=state["python"]["executable"])
     yield tool_command(settings.venv_python, "build", params)
+    probe.changed(host)  # a new release directory: the releases, its python, its patch state
 
 
 @operation()
@@ -207,7 +218,7 @@ def activate_release(release: str, by: str = "deploy"):
     keep working whenever it is active, and rollback can return to it.
     """
     settings = host_settings(host)
-    state = env_state(settings, packages=bool(host.state.config.DIFF))
+    state = env_state(settings)
     where = state["venv_path"]
     if where["kind"] == "other":
         yield _refusal(_not_a_venv(settings))
@@ -216,9 +227,10 @@ def activate_release(release: str, by: str = "deploy"):
         host.noop(f"{settings.venv_path} already points at release {release}")
         return
     if host.state.config.DIFF:
-        _log_package_diff(settings, state, release)
+        _log_package_diff(settings, env_state(settings, packages=True), release)
     yield tool_command(settings.venv_python, "activate",
                        _params(settings, release=release, by=by, adopt_as=f"adopted-{_utc_stamp()}"))
+    probe.changed(host)  # the active release: every step's view of the host
 
 
 @operation()
@@ -244,6 +256,7 @@ def prune_releases(active: str):
         return
     protect = [active] + [entry.get("previous") for entry in history[-1:] if entry.get("previous")]
     yield tool_command(settings.venv_python, "prune", _params(settings, remove=remove, protect=protect))
+    probe.changed(host)  # release directories gone
 
 
 @operation()

@@ -14,7 +14,10 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 
 from facts.verify import ProbeScript, VerificationProbe
+from facts.probe import FactRequest
+from operations.venv import planned_only
 from servestack import checks
+from servestack import probe as host_probe
 from servestack.settings import Settings, host_settings
 
 # The deploy's subset: every check but the real /generate request, which the service step's
@@ -30,9 +33,37 @@ def read_probe(settings: Settings, groups: tuple[str, ...]) -> checks.Probe:
             script = checks.patches_script(settings, checks.patch_record_for(probe))
         else:
             script = checks.SCRIPTS[group](settings)
-        probe.sections.update(host.get_fact(VerificationProbe, probe=ProbeScript(group, script)))
+        probe.sections.update(host_probe.fact(host, VerificationProbe, probe=ProbeScript(group, script)))
         probe.loaded.add(group)
     return probe
+
+
+def _expected_facts(host_) -> list[FactRequest]:
+    """At execute, the deploy's checks are read ahead with the rest of the probe: on a host this run
+    does not change, they see exactly what they would see at the end. The patches group's record is
+    predicted as the planned release's `patches.json`; read_probe re-reads it if that is wrong. The
+    http group is not read ahead: it is a request to the service (which may hang until its timeout),
+    not host state, and is made once the service step is done."""
+    if not host_.state.is_executing:
+        return []
+    settings = host_settings(host_)
+    selected = [checks.CHECKS_BY_NAME[name] for name in DEPLOY_CHECKS]
+    release = planned_only(host_)
+    facts = []
+    for group in checks.groups_for(selected):
+        if group == "http":
+            continue
+        if group == "patches":
+            if release is None:
+                continue
+            script = checks.patches_script(settings, f"{release.dir}/patches.json")
+        else:
+            script = checks.SCRIPTS[group](settings)
+        facts.append(FactRequest.of(VerificationProbe, probe=ProbeScript(group, script)))
+    return facts
+
+
+host_probe.expects(_expected_facts, volatile=(VerificationProbe,))
 
 
 def failure_command(failures: list[checks.Outcome]) -> StringCommand:

@@ -1,0 +1,175 @@
+"""Benchmark: how fast a converged fleet re-converges (no-op) and dry-runs, and how many remote
+commands each host gets. Run by hand (root, sandbox tools), not a test:
+
+    .venv/bin/python bench/converge.py                 # 1, 4 and 8 hosts, 5 timed runs each
+    .venv/bin/python bench/converge.py --hosts 1 --repeat 3
+
+One lab of max(--hosts) sandbox hosts is booted and converged with the real deploy.py; then, for
+each fleet size N, `--limit` targets the first N hosts: K no-op converges (`pyinfra -y --json`,
+each must report zero changes) and K dry runs (`pyinfra --dry`). Wall time is the whole pyinfra
+process, as a user sees it (Python start-up, inventory, connecting, facts, operations). The median
+of the K runs is reported. Remote commands are counted by bench/counting_pyinfra.py, a wrapper
+around pyinfra's SSH connector (see its docstring).
+
+Prints a table with the 8/1 ratios and writes bench/results/<git short sha>-<UTC>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from servestack.sandbox.lab import Lab  # noqa: E402
+
+COUNTER = ROOT / "bench" / "counting_pyinfra.py"
+RESULTS = ROOT / "bench" / "results"
+console = Console()
+
+
+class BenchFailed(Exception):
+    pass
+
+
+def git_sha() -> str:
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return (sha or "nogit") + ("-dirty" if dirty else "")
+
+
+def pyinfra(lab: Lab, hosts: list[str], *args: str, timeout: int = 3600) -> tuple[float, dict, subprocess.CompletedProcess]:
+    """One pyinfra run against `hosts`; (wall seconds, remote counts per host, the process)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        counts_path = handle.name
+    limits = [argument for name in hosts for argument in ("--limit", name)]
+    argv = [sys.executable, str(COUNTER), counts_path, str(lab.inventory_path), "deploy.py", *limits, *args]
+    started = time.perf_counter()
+    result = subprocess.run(lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.perf_counter() - started
+    try:
+        counts = json.loads(Path(counts_path).read_text() or "{}")
+    finally:
+        os.unlink(counts_path)
+    return elapsed, counts, result
+
+
+def changes(result: subprocess.CompletedProcess) -> int:
+    try:
+        return int(json.loads(result.stdout)["results"]["totals"].get("success", 0))
+    except (ValueError, KeyError) as error:
+        raise BenchFailed(f"pyinfra failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}") from error
+
+
+def converge(lab: Lab, hosts: list[str]) -> None:
+    for attempt in (1, 2):
+        elapsed, _, result = pyinfra(lab, hosts, "-y", "--json")
+        if result.returncode != 0:
+            raise BenchFailed(f"converge failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}")
+        console.print(f"converge {attempt}: {changes(result)} change(s) in {elapsed:.1f} s")
+        if changes(result) == 0:
+            return
+    raise BenchFailed("the fleet does not converge: the second run still changed something")
+
+
+def per_host(counts: dict, hosts: list[str]) -> dict:
+    commands = [counts.get(name, {}).get("commands", 0) for name in hosts]
+    transfers = [counts.get(name, {}).get("transfers", 0) for name in hosts]
+    return {"commands_max": max(commands), "commands_min": min(commands), "transfers_max": max(transfers)}
+
+
+def measure(lab: Lab, hosts: list[str], mode: str, repeat: int) -> dict:
+    args = ("-y", "--json") if mode == "noop" else ("--dry",)
+    times, counted = [], None
+    for _ in range(repeat):
+        elapsed, counts, result = pyinfra(lab, hosts, *args)
+        if result.returncode != 0:
+            raise BenchFailed(f"{mode} on {len(hosts)} host(s) failed (exit {result.returncode}):\n"
+                              f"{(result.stdout + result.stderr)[-4000:]}")
+        if mode == "noop" and changes(result):
+            raise BenchFailed(f"a no-op converge of {len(hosts)} host(s) changed {changes(result)} thing(s)")
+        times.append(elapsed)
+        counted = per_host(counts, hosts)
+    return {"hosts": len(hosts), "mode": mode, "times_s": [round(t, 3) for t in times],
+            "median_s": round(statistics.median(times), 3), **counted}
+
+
+def ratios(rows: list[dict]) -> dict:
+    out = {}
+    for mode in ("noop", "dry"):
+        by_size = {row["hosts"]: row["median_s"] for row in rows if row["mode"] == mode}
+        smallest = min(by_size)
+        for size, median in by_size.items():
+            if size != smallest:
+                out[f"{mode} {size}/{smallest}"] = round(median / by_size[smallest], 2)
+    return out
+
+
+def show(rows: list[dict], out: dict) -> None:
+    table = Table(title=f"no-op converge and dry run of a converged fleet ({out['commit']}, {out['utc']})")
+    for column in ("mode", "hosts", "median s", "runs s", "remote commands / host", "transfers / host"):
+        table.add_column(column)
+    for row in rows:
+        spread = f"{row['commands_min']}-{row['commands_max']}" if row["commands_min"] != row["commands_max"] \
+            else str(row["commands_max"])
+        table.add_row(row["mode"], str(row["hosts"]), f"{row['median_s']:.2f}",
+                      " ".join(f"{t:.2f}" for t in row["times_s"]), spread, str(row["transfers_max"]))
+    console.print(table)
+    for name, value in out["ratios"].items():
+        console.print(f"ratio {name}: {value:.2f}x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--name", default="bench", help="sandbox name (short)")
+    parser.add_argument("--note", default="", help="free text stored with the results")
+    parser.add_argument("--label", default=None, help="name the results by this instead of the git commit")
+    options = parser.parse_args()
+    sizes = sorted(set(options.hosts))
+    lab = Lab(options.name)
+    rows: list[dict] = []
+    try:
+        started = time.perf_counter()
+        lab.up(max(sizes))
+        console.print(f"lab up: {max(sizes)} host(s) in {time.perf_counter() - started:.1f} s")
+        names = [host.name for host in lab.hosts]
+        converge(lab, names)
+        for size in sizes:
+            for mode in ("noop", "dry"):
+                row = measure(lab, names[:size], mode, options.repeat)
+                console.print(f"{mode} {size} host(s): median {row['median_s']:.2f} s, "
+                              f"{row['commands_max']} remote commands per host")
+                rows.append(row)
+    except BenchFailed as error:
+        console.print(f"[red]bench failed:[/] {error}", markup=True, highlight=False)
+        return 1
+    finally:
+        lab.down()
+    out = {"commit": options.label or git_sha(), "utc": datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"),
+           "cpus": os.cpu_count(), "repeat": options.repeat, "note": options.note, "rows": rows}
+    out["ratios"] = ratios(rows)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{out['commit']}-{out['utc']}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    show(rows, out)
+    console.print(f"written: {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

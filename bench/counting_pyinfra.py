@@ -1,0 +1,62 @@
+"""`pyinfra` with a count of the remote commands it issues per host (used by bench/converge.py).
+
+Usage: python bench/counting_pyinfra.py COUNTS.json <pyinfra arguments...>
+
+It wraps pyinfra's SSH connector (the one the lab's hosts use) before handing over to pyinfra's own
+CLI: every `run_shell_command` is one remote command (one SSH exec channel: facts, operation
+commands, the commands pyinfra runs around uploads) and every `put_file` / `get_file` one file
+transfer (SFTP). Counting at the connector counts exactly what goes over the wire, whatever the
+deploy's code does, and does not depend on log formats. The counts are written as JSON
+({host: {"commands": n, "transfers": n}}) when pyinfra exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+from pyinfra.connectors.ssh import SSHConnector
+
+T0 = time.perf_counter()
+LOG = os.environ.get("BENCH_COMMAND_LOG")
+COUNTS: dict = defaultdict(lambda: {"commands": 0, "transfers": 0})
+
+
+def _counted(method, kind: str):
+    def wrapper(self, *args, **kwargs):
+        COUNTS[self.host.name][kind] += 1
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if LOG:  # BENCH_COMMAND_LOG=path: when, how long and what (its first characters)
+                with open(LOG, "a") as log:
+                    log.write(f"{started - T0:7.3f} {time.perf_counter() - started:6.3f} {self.host.name} {kind} "
+                              f"{str(args[0] if args else '')[:60]!r}\n")
+    wrapper.__wrapped__ = method
+    return wrapper
+
+
+def install() -> None:
+    SSHConnector.run_shell_command = _counted(SSHConnector.run_shell_command, "commands")
+    # put_file of pyinfra's SSH connector runs its sudo copy through run_shell_command (counted
+    # there); the SFTP transfer itself is counted here.
+    SSHConnector._put_file = _counted(SSHConnector._put_file, "transfers")
+    SSHConnector._get_file = _counted(SSHConnector._get_file, "transfers")
+
+
+def main() -> int:
+    counts_path = sys.argv.pop(1)
+    install()
+    atexit.register(lambda: open(counts_path, "w").write(json.dumps(COUNTS, sort_keys=True)))
+    sys.argv[0] = "pyinfra"
+    from pyinfra_cli.main import main as pyinfra_main
+    return pyinfra_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The host-state probe: many facts' commands in one remote command (servestack/probe.py uses it).
+
+A `ProbeRequest` is a list of facts (a `FactBase` class and its arguments). `HostProbe` runs each
+fact's own command, unchanged, in its own subshell (all at once), then prints their outputs framed
+by markers that carry each command's exit status; `split_probe_output` gives each fact its output lines back, and `FactRequest.value` turns
+them into the fact's value with the fact's own `process` / `default`, as pyinfra's `get_fact`
+would. So a fact has one definition whether it is read alone or in the probe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, is_dataclass
+
+from pyinfra.api import FactBase, StringCommand
+from pyinfra.api.facts import _MISSING_COMMAND_MARKER
+
+BEGIN = "@@probe-begin "
+END = "@@probe-end "
+# One `sh -c` argument may not exceed 128 KiB (Linux MAX_ARG_STRLEN): larger probes are split.
+MAX_COMMAND_CHARS = 100_000
+
+
+def _keyable(value) -> str:
+    """Arguments that are objects (a verification ProbeScript) are identified by all their fields."""
+    text = json.dumps(asdict(value), sort_keys=True, default=str) if is_dataclass(value) else repr(value)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _text(command) -> str:
+    return command.get_raw_value() if isinstance(command, StringCommand) else str(command)
+
+
+@dataclass(frozen=True)
+class FactRequest:
+    """One fact to read: its class and arguments; `key` identifies it in the probe's cache."""
+
+    cls: type
+    kwargs: tuple = ()          # sorted (name, value) pairs
+
+    @classmethod
+    def of(cls, fact_cls: type, **kwargs) -> "FactRequest":
+        return cls(fact_cls, tuple(sorted(kwargs.items())))
+
+    @property
+    def key(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__name__}({json.dumps(self.kwargs, default=_keyable)})"
+
+    @property
+    def name(self) -> str:
+        return self.cls.__name__
+
+    def command(self, fact=None) -> str:
+        """The fact's command as pyinfra runs it (with its `requires_command` guard)."""
+        fact = fact or self.cls()
+        command = _text(fact.command(**dict(self.kwargs)) if callable(fact.command) else fact.command)
+        required = fact.requires_command(**dict(self.kwargs)) if callable(fact.requires_command) \
+            else fact.requires_command
+        if required:
+            command = (f"if command -v {_text(required)} >/dev/null 2>&1; then ( {command}\n); "
+                       f"else echo '{_MISSING_COMMAND_MARKER}'; fi")
+        return command
+
+    def value(self, lines: list[str]):
+        """The fact's value from its output lines (its command exited 0), as `get_fact` makes it."""
+        fact = self.cls()
+        self.command(fact)  # some pyinfra facts keep their arguments for `process` (Sha256File: path)
+        return fact.process(lines) if lines else fact.default()
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """Facts read by one `HostProbe` command; shown in pyinfra's log by their names only."""
+
+    facts: tuple[FactRequest, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return ", ".join(fact.name for fact in self.facts)
+
+    def command(self) -> str:
+        """Every fact's command at once (each in a subshell, output to a private temporary directory),
+        then their outputs in order: the probe takes as long as its slowest fact, not their sum."""
+        start = [f"( ( {fact.command()}\n) </dev/null >\"$d/{index}\"; echo $? >\"$d/{index}.rc\" ) &"
+                 for index, fact in enumerate(self.facts)]
+        collect = (f"i=0; while [ $i -lt {len(self.facts)} ]; do echo \"{BEGIN}$i\"; cat \"$d/$i\"; "
+                   f"if [ -n \"$(tail -c 1 \"$d/$i\")\" ]; then echo; fi; "
+                   f"echo \"{END}$i $(cat \"$d/$i.rc\")\"; i=$((i+1)); done")
+        return "\n".join(["d=$(mktemp -d) || exit 1", *start, "wait", collect, "rm -rf \"$d\"", "true"])
+
+
+def split_requests(facts: list[FactRequest]) -> list[ProbeRequest]:
+    """Group facts into as few requests as fit in one remote command each."""
+    groups: list[list[FactRequest]] = [[]]
+    size = 0
+    for fact in facts:
+        length = len(fact.command()) + 64
+        if groups[-1] and size + length > MAX_COMMAND_CHARS:
+            groups.append([])
+            size = 0
+        groups[-1].append(fact)
+        size += length
+    return [ProbeRequest(tuple(group)) for group in groups if group]
+
+
+def split_probe_output(lines: list[str]) -> dict[int, tuple[int | None, list[str]]]:
+    """{index: (exit status or None when cut off, output lines)} from a probe's output."""
+    found: dict[int, tuple[int | None, list[str]]] = {}
+    current, body = None, []
+    for line in lines:
+        if line.startswith(BEGIN):
+            current, body = int(line[len(BEGIN):]), []
+            found[current] = (None, body)
+        elif line.startswith(END) and current is not None:
+            index, _, rc = line[len(END):].partition(" ")
+            if int(index) == current:
+                found[current] = (int(rc) if rc.strip().lstrip("-").isdigit() else None, body)
+                current = None
+        elif current is not None:
+            body.append(line)
+    return found
+
+
+class HostProbe(FactBase):
+    """
+    Several facts in one remote command: ``{index: (exit status, output lines)}``.
+
+    + request: a ``ProbeRequest``
+    """
+
+    def command(self, request: ProbeRequest) -> str:
+        return request.command()
+
+    @staticmethod
+    def default() -> dict:
+        return {}
+
+    def process(self, output):
+        return split_probe_output(output)

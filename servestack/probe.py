@@ -1,0 +1,131 @@
+"""One remote read of a host's state per pyinfra stage, shared by every step (issue 8).
+
+pyinfra 3.10 runs every fact an operation asks for as its own remote command, again for every
+operation and again in each stage (prepare, execute). Here the steps ask `probe.fact(host, Fact,
+**kwargs)` instead of `host.get_fact(Fact, **kwargs)`: the first read of a stage runs, in ONE
+remote command (facts.probe.HostProbe), the requested fact plus every fact the steps declared they
+will read (`expects`), each with its own command and parser; later reads come from the cache.
+
+- Stages: prepare and execute each read the host afresh (pyinfra re-runs the generators at
+  execute, after earlier operations changed the host).
+- Changes: an operation that yielded commands calls `changed(host, *facts)` after its last
+  `yield` (at execute that code runs once the commands have run); those facts are dropped and the
+  next reader re-reads them, together with any other dropped or not yet read expected fact, in one
+  command. The verification checks' facts are dropped on every change, and once the host changed
+  in a stage they are no longer read ahead (the verify step reads them itself, once).
+- A fact whose command fails inside the probe is read again on its own with `host.get_fact`, so
+  pyinfra's own error handling applies exactly as before.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from weakref import WeakKeyDictionary
+
+from facts.probe import FactRequest, HostProbe, split_requests
+from servestack.settings import real_host
+
+# Steps declare the facts they read: provider(host) -> [FactRequest]; evaluated at each read-ahead.
+_PROVIDERS: list[Callable] = []
+# Facts read ahead only while the host has not changed in the stage (the verification probes).
+_VOLATILE: set[type] = set()
+_CACHE: "WeakKeyDictionary" = WeakKeyDictionary()   # state -> {(host, executing): _Stage}
+
+
+class _Stage:
+    def __init__(self):
+        self.values: dict[str, object] = {}
+        self.dirty = False          # something changed on the host in this stage
+        self.reads = 0              # HostProbe commands issued (for tests and the benchmark)
+
+
+def expects(provider: Callable, volatile: tuple[type, ...] = ()) -> Callable:
+    """Register `provider(host) -> [FactRequest]`: facts a step will read (usable as a decorator)."""
+    _PROVIDERS.append(provider)
+    _VOLATILE.update(volatile)
+    return provider
+
+
+def _stage(host) -> _Stage:
+    state = host.state
+    stages = _CACHE.setdefault(state, {})
+    key = (host.name, bool(state.is_executing))
+    if key not in stages:
+        stages[key] = _Stage()
+    return stages[key]
+
+
+def _expected(host, stage: _Stage) -> list[FactRequest]:
+    requests = []
+    for provider in _PROVIDERS:
+        try:
+            requests += provider(host) or []
+        except Exception:  # a provider that cannot predict yet (e.g. no release known): read on demand
+            continue
+    if stage.dirty:
+        requests = [request for request in requests if request.cls not in _VOLATILE]
+    return requests
+
+
+def fact(host, cls: type, **kwargs):
+    """`host.get_fact(cls, **kwargs)`, answered from this stage's probe of the host."""
+    target = real_host(host)
+    stage = _stage(target)
+    wanted = FactRequest.of(cls, **kwargs)
+    if wanted.key not in stage.values:
+        _read(target, stage, wanted)
+    if wanted.key not in stage.values:  # its command failed in the probe: pyinfra's own handling
+        return target.get_fact(cls, **kwargs)
+    return copy.deepcopy(stage.values[wanted.key])
+
+
+def cached(host, cls: type, **kwargs):
+    """The fact's value if this stage already read it, else None (never reads the host)."""
+    stage = _stage(real_host(host))
+    value = stage.values.get(FactRequest.of(cls, **kwargs).key)
+    return copy.deepcopy(value)
+
+
+def _batches(host) -> bool:
+    """pyinfra's @fake connector runs no shell and answers each command by a canned response
+    (unit tests): there, facts are read one by one, as `get_fact` does, and still cached."""
+    return type(host.connector).__name__ != "FakeConnector"
+
+
+def _read(host, stage: _Stage, wanted: FactRequest) -> None:
+    if not _batches(host):
+        stage.values[wanted.key] = host.get_fact(wanted.cls, **dict(wanted.kwargs))
+        return
+    batch = {wanted.key: wanted}
+    for request in _expected(host, stage):
+        if request.key not in stage.values:
+            batch.setdefault(request.key, request)
+    for request in split_requests(list(batch.values())):
+        stage.reads += 1
+        results = host.get_fact(HostProbe, request=request)
+        for index, one in enumerate(request.facts):
+            rc, lines = results.get(index, (None, []))
+            if rc == 0 and lines != [_missing_marker()]:
+                stage.values[one.key] = one.value(lines)
+
+
+def _missing_marker() -> str:
+    from pyinfra.api.facts import _MISSING_COMMAND_MARKER
+    return _MISSING_COMMAND_MARKER
+
+
+def changed(host, *classes: type) -> None:
+    """After an operation's commands ran: forget `classes` (every fact when none is named)."""
+    target = real_host(host)
+    stage = _stage(target)
+    stage.dirty = True
+    drop = set(classes) | _VOLATILE
+    for key in list(stage.values):
+        if not classes or any(key.startswith(f"{cls.__module__}.{cls.__name__}(") for cls in drop):
+            del stage.values[key]
+
+
+def reads(host) -> int:
+    """How many probe commands this stage issued on the host so far."""
+    return _stage(real_host(host)).reads

@@ -1,0 +1,132 @@
+"""The host-state probe (facts/probe.py) and its per-stage cache (servestack/probe.py).
+
+Fact commands run here are read-only (`sha256sum` of a temporary file, `cat /etc/group`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from pyinfra.facts.files import Sha256File
+from pyinfra.facts.server import Groups, Which
+
+from facts.probe import BEGIN, END, FactRequest, HostProbe, ProbeRequest, split_probe_output, split_requests
+from facts.service import UnitState
+from facts.verify import ProbeScript, VerificationProbe
+from servestack import probe
+
+
+def run_locally(command: str) -> list[str]:
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_each_fact_gets_its_own_output_and_exit_status(tmp_path):
+    (tmp_path / "a").write_text("hello\n")
+    request = ProbeRequest((FactRequest.of(Sha256File, path=str(tmp_path / "a")),
+                            FactRequest.of(Sha256File, path=str(tmp_path / "missing")),
+                            FactRequest.of(Groups)))
+    found = HostProbe().process(run_locally(HostProbe().command(request)))
+    assert [found[index][0] for index in range(3)] == [0, 0, 0]
+    values = [fact.value(found[index][1]) for index, fact in enumerate(request.facts)]
+    direct = run_locally(f"sha256sum {tmp_path / 'a'}")[0].split()[0]
+    assert values[0] == direct
+    assert values[1] is None
+    assert "root" in values[2]
+
+
+def test_output_without_a_final_newline_keeps_its_marker_apart():
+    class Printf(Which):
+        def command(self, command):
+            return f"printf {command}"
+
+    request = ProbeRequest((FactRequest.of(Printf, command="no-newline"), FactRequest.of(Printf, command="x; exit 4")))
+    found = HostProbe().process(run_locally(HostProbe().command(request)))
+    assert found == {0: (0, ["no-newline"]), 1: (4, ["x"])}
+
+
+def test_a_failing_command_is_reported_with_its_status():
+    lines = [f"{BEGIN}0", "partial", f"{END}0 3", f"{BEGIN}1", "cut"]
+    assert split_probe_output(lines) == {0: (3, ["partial"]), 1: (None, ["cut"])}
+
+
+def test_requires_command_guard_matches_pyinfra():
+    class NeedsTool(Which):
+        requires_command = "no-such-tool-here"
+
+    command = FactRequest.of(NeedsTool, command="sh").command()
+    assert command.startswith("if command -v no-such-tool-here")
+
+
+def test_keys_tell_arguments_and_probe_scripts_apart():
+    assert FactRequest.of(Sha256File, path="/a").key != FactRequest.of(Sha256File, path="/b").key
+    one = FactRequest.of(VerificationProbe, probe=ProbeScript("patches", "echo 1"))
+    other = FactRequest.of(VerificationProbe, probe=ProbeScript("patches", "echo 2"))
+    assert one.key != other.key
+    assert str(ProbeRequest((one,))) == "VerificationProbe"
+
+
+def test_large_probes_are_split_under_the_argument_limit():
+    facts = [FactRequest.of(VerificationProbe, probe=ProbeScript(str(i), "echo " + "x" * 40_000)) for i in range(5)]
+    requests = split_requests(facts)
+    assert len(requests) == 3
+    assert all(len(request.command()) < 131072 for request in requests)
+
+
+class FakeState:
+    is_executing = False
+
+
+class FakeHost:
+    """A host whose probe runs locally; counts HostProbe reads."""
+
+    def __init__(self, name="h1"):
+        self.name = name
+        self.state = FakeState()
+        self.connector = object()
+        self.probes = []
+
+    def get_fact(self, cls, **kwargs):
+        assert cls is HostProbe
+        self.probes.append([fact.name for fact in kwargs["request"].facts])
+        return HostProbe().process(run_locally(HostProbe().command(kwargs["request"])))
+
+
+@pytest.fixture
+def providers(monkeypatch, tmp_path):
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setattr(probe, "_PROVIDERS", [])
+    monkeypatch.setattr(probe, "_VOLATILE", set())
+    probe.expects(lambda host: [FactRequest.of(Groups), FactRequest.of(Sha256File, path=str(tmp_path / "f"))])
+    probe.expects(lambda host: [FactRequest.of(VerificationProbe, probe=ProbeScript("g", "echo hi"))],
+                  volatile=(VerificationProbe,))
+    return tmp_path
+
+
+def test_one_read_per_stage_answers_every_expected_fact(providers):
+    host = FakeHost()
+    assert "root" in probe.fact(host, Groups)
+    assert probe.fact(host, Sha256File, path=str(providers / "f"))
+    assert host.probes == [["Groups", "Sha256File", "VerificationProbe"]]
+    host.state.is_executing = True  # execute: a fresh read
+    probe.fact(host, Groups)
+    assert len(host.probes) == 2
+
+
+def test_a_change_rereads_only_what_was_dropped(providers):
+    host = FakeHost()
+    probe.fact(host, Groups)
+    probe.changed(host, Sha256File)
+    probe.fact(host, Groups)
+    assert len(host.probes) == 1
+    probe.fact(host, Sha256File, path=str(providers / "f"))
+    # the verification probe is volatile: dropped on any change, not read ahead once the host changed
+    assert host.probes[1] == ["Sha256File"]
+
+
+def test_an_unexpected_fact_is_read_with_the_missing_expected_ones(providers):
+    host = FakeHost()
+    probe.fact(host, UnitState, unit="nothing-such.service")
+    assert host.probes == [["UnitState", "Groups", "Sha256File", "VerificationProbe"]]
+    assert probe.cached(host, Groups) is not None
+    assert probe.cached(host, Which, command="sh") is None
