@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -168,16 +169,23 @@ def _apply_limit(inventory, patterns: list[str]) -> list:
 
 
 def _pyinfra_cli():
-    """pyinfra's CLI package, whose import monkey-patches the process with gevent (as the pyinfra
-    command does); inside pytest ssl is already imported, which gevent warns about."""
-    import warnings
+    """pyinfra's CLI package, for its inventory loader, imported WITHOUT the gevent monkey-patching
+    its import performs (the `pyinfra` command needs it; this process does not). Patched, os.close
+    hands directory and pipe fds to a gevent hub that never runs here, so every `shutil.rmtree`
+    leaks one fd per directory: the test session hit EMFILE at 1024 open files."""
+    if "pyinfra_cli" not in sys.modules:
+        from gevent import monkey
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Monkey-patching ssl after ssl has already been imported")
-        import pyinfra_cli.exceptions
-        import pyinfra_cli.inventory
-        import pyinfra_cli.util
-    return pyinfra_cli
+        patch_all = monkey.patch_all
+        monkey.patch_all = lambda *args, **kwargs: None
+        try:
+            import pyinfra_cli  # noqa: F401
+        finally:
+            monkey.patch_all = patch_all
+    import pyinfra_cli.exceptions
+    import pyinfra_cli.inventory
+    import pyinfra_cli.util
+    return sys.modules["pyinfra_cli"]
 
 
 def load_inventory(path: str | Path, limit=None, override_data: dict | None = None) -> list:

@@ -222,3 +222,24 @@ def test_an_unreachable_host_fails_each_check_once_tried_without_retrying():
 def test_the_example_inventorys_placeholders_are_refused():
     with pytest.raises(ConfigError, match="host gpu-node-01.example: 'gpu-node-01.example' is a placeholder"):
         targets_from_inventory(ROOT / "inventory.py")
+
+
+def test_loading_an_inventory_leaves_this_process_unpatched_and_closing_fds(inventory: Path):
+    """pyinfra_cli's import gevent-patches the process; patched, os.close defers closing directory
+    fds to a hub that never runs, and each rmtree leaked one fd per directory (EMFILE in CI)."""
+    program = textwrap.dedent(f"""\
+        import os, shutil, subprocess, tempfile
+        from gevent import monkey
+        from servestack.verify import load_inventory
+        assert load_inventory({str(inventory)!r})
+        subprocess.run(["true"], check=True)  # patched, this starts gevent's hub
+        tree = tempfile.mkdtemp()
+        for index in range(30):
+            os.makedirs(os.path.join(tree, str(index), "a", "b"))
+        before = len(os.listdir("/proc/self/fd"))
+        shutil.rmtree(tree)
+        print(monkey.is_module_patched("os"), len(os.listdir("/proc/self/fd")) - before)
+        """)
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "0"]
