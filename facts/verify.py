@@ -6,6 +6,8 @@ host without a GPU, a toolkit or a service answers with sections saying so inste
 
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
@@ -40,3 +42,26 @@ class VerificationProbe(FactBase):
 
     def process(self, output: list[str]) -> dict[str, Section]:
         return parse_sections("\n".join(output))
+
+
+class VerificationRecord(FactBase):
+    """
+    The record the deploy's verify step left on the host (``operations/verify.py``), or None when
+    there is none or it is not a JSON object.
+
+    + path: the record file (``<servestack_state_dir>/verified.json``)
+    """
+
+    def command(self, path: str) -> str:
+        return f"cat {shlex.quote(path)} 2>/dev/null; true"
+
+    @staticmethod
+    def default() -> None:
+        return None
+
+    def process(self, output: list[str]) -> dict | None:
+        try:
+            record = json.loads("\n".join(output))
+        except ValueError:
+            return None
+        return record if isinstance(record, dict) else None

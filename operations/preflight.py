@@ -90,6 +90,9 @@ def _expected_facts(host_) -> list[FactRequest]:
     return [FactRequest.of(HostPreflight, **preflight_fact_arguments(host_settings(host_)))]
 
 
+probe.decides(HostPreflight)  # preflight() returns whether the host may go on
+
+
 def check_driver(settings: Settings, gpu: GpuReport) -> Check:
     minimum = settings.manifest.cuda["min_driver"]
     if gpu.driver_version is None:

@@ -680,6 +680,9 @@ def service_user(settings: Settings, groups: tuple[str, ...] = ()):
     probe.changed(host, UserAccount, Directory, UserEntry, UnreadableBy, PathOwner)
 
 
+probe.decides(Groups, UserEntry, VenvTarget)  # read by sglang_service() itself, not its operations
+
+
 @probe.expects
 def _expected_facts(host_) -> list[FactRequest]:
     settings = host_settings(host_)

@@ -71,6 +71,9 @@ def _expected_facts(host_) -> list[FactRequest]:
     return [FactRequest.of(MlEnvState, **mlenv_fact_arguments(host_settings(host_)))]
 
 
+probe.decides(MlEnvState)  # the deploy functions plan the release from it
+
+
 def env_state(settings, packages: bool = False) -> dict:
     """The MlEnvState fact; `packages` also lists the active environment's packages."""
     state = probe.fact(host, MlEnvState, **mlenv_fact_arguments(settings, packages))

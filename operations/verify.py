@@ -4,62 +4,129 @@ The same check functions as the testinfra suite (tests/verify), judged on the sa
 read through pyinfra. A failed check fails the host, saying which and why; a skipped check (the
 host lacks the hardware it needs) is logged with its reason. Passing changes nothing, so a second
 converge still reports zero changes.
+
+The heavy checks (torch on every GPU, nvcc building the CUDA sample, the patch check hashing
+SGLang's files; their probes load multi-GB libraries) depend only on the host state in
+`STATE_SECTIONS` and on the host's settings. When they pass, their outcomes are recorded on the
+host (`<servestack_state_dir>/verified.json`, bookkeeping like the lock: not a change) with a
+digest of that state; a later converge that finds the same digest reuses them and says so, and
+runs only the cheap checks live. `verify_reuse=False` runs every check live on every converge;
+`servestack verify` (the testinfra suite) always does.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shlex
+import time
+from dataclasses import asdict
 
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 
-from facts.verify import ProbeScript, VerificationProbe
 from facts.probe import FactRequest
-from operations.venv import planned_only
+from facts.verify import ProbeScript, VerificationProbe, VerificationRecord
 from servestack import checks
 from servestack import probe as host_probe
+from servestack.hostrun import run_remote
 from servestack.settings import Settings, host_settings
 
 # The deploy's subset: every check but the real /generate request, which the service step's
 # health gate has just made (and which can take long on a large model).
 DEPLOY_CHECKS = tuple(check.name for check in checks.CHECKS if check.name != "service_generate")
+# Probe groups whose checks are reused while the host state they depend on is unchanged.
+REUSABLE_GROUPS = ("python", "sample", "patches")
+# Host-group sections that state is read from: driver and GPUs, the toolkit, the active release.
+STATE_SECTIONS = ("gpu", "device_nodes", "tree", "toolkit_package", "toolkit_path", "link", "record",
+                  "release", "release_state")
+RECORD_FILE = "verified.json"
 
 
-def read_probe(settings: Settings, groups: tuple[str, ...]) -> checks.Probe:
-    """Run each probe group once through pyinfra facts (the patches group after the host group)."""
-    probe = checks.Probe(host.name)
-    for group in groups:
-        if group == "patches":
-            script = checks.patches_script(settings, checks.patch_record_for(probe))
-        else:
-            script = checks.SCRIPTS[group](settings)
-        probe.sections.update(host_probe.fact(host, VerificationProbe, probe=ProbeScript(group, script)))
-        probe.loaded.add(group)
+def record_path(settings: Settings) -> str:
+    return f"{settings.servestack_state_dir}/{RECORD_FILE}"
+
+
+def is_reusable(check: checks.Check) -> bool:
+    return any(group in REUSABLE_GROUPS for group in check.groups)
+
+
+def group_script(settings: Settings, group: str, probe: checks.Probe | None = None) -> str:
+    """A probe group's script as the deploy runs it: the HTTP probe asks /health only (the service
+    step's gate has just made a real request); the patch check reads the active release's record."""
+    if group == "http":
+        return checks.http_script(settings, generate=False)
+    if group == "patches":
+        return checks.patches_script(settings, checks.patch_record_for(probe) if probe else None)
+    return checks.SCRIPTS[group](settings)
+
+
+def _request(settings: Settings, group: str, probe: checks.Probe | None = None) -> FactRequest:
+    script = group_script(settings, group, probe)
+    return FactRequest.of(VerificationProbe, probe=ProbeScript(group, script))
+
+
+def read_probe(settings: Settings, groups: tuple[str, ...], probe: checks.Probe | None = None) -> checks.Probe:
+    """Read the probe groups not read yet: the host group first (the patch check needs its record
+    path), then all others at once, in one remote command."""
+    probe = probe or checks.Probe(host.name)
+    pending = [group for group in groups if group not in probe.loaded]
+    batches = [["host"], [group for group in pending if group != "host"]] if "host" in pending else [pending]
+    for batch in batches:
+        requests = [_request(settings, group, probe) for group in batch]
+        for group, sections in zip(batch, host_probe.facts(host, requests)):
+            probe.sections.update(sections)
+            probe.loaded.add(group)
     return probe
 
 
+def state_key(settings: Settings, probe: checks.Probe) -> str:
+    """Digest of what the reusable checks' outcomes depend on: settings, manifest, host state."""
+    sections = {name: [section.rc, section.text] for name, section in probe.sections.items()
+                if name in STATE_SECTIONS or name.startswith("kept_")}
+    document = {"settings": settings.values, "manifest": asdict(settings.manifest), "host": sections}
+    return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _base_name(outcome: checks.Outcome) -> str:
+    return outcome.check.split("[", 1)[0]  # package_version[torch] -> package_version
+
+
+def recorded_outcomes(record: dict | None, key: str, wanted: list[checks.Check]) -> list[checks.Outcome] | None:
+    """The outcomes `record` holds for the `wanted` checks when it was made on this state, else None."""
+    if not record or record.get("key") != key or not set(record.get("checks", ())) >= {c.name for c in wanted}:
+        return None
+    names = {check.name for check in wanted}
+    try:
+        outcomes = [checks.Outcome(*entry) for entry in record.get("outcomes", [])]
+    except TypeError:
+        return None
+    return [outcome for outcome in outcomes if _base_name(outcome) in names]
+
+
+def record_command(settings: Settings, key: str, judged: list[checks.Check], outcomes: list[checks.Outcome]) -> str:
+    """Write the record atomically (root-owned, world-readable: it holds check names and details)."""
+    path = record_path(settings)
+    record = {"key": key, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "checks": [check.name for check in judged],
+              "outcomes": [[outcome.check, outcome.status, outcome.detail] for outcome in outcomes]}
+    return (f"umask 022 && mkdir -p {shlex.quote(settings.servestack_state_dir)} && "
+            f"printf '%s\\n' {shlex.quote(json.dumps(record, sort_keys=True))} > {shlex.quote(path + '.tmp')} && "
+            f"mv -f {shlex.quote(path + '.tmp')} {shlex.quote(path)}")
+
+
 def _expected_facts(host_) -> list[FactRequest]:
-    """At execute, the deploy's checks are read ahead with the rest of the probe: on a host this run
-    does not change, they see exactly what they would see at the end. The patches group's record is
-    predicted as the planned release's `patches.json`; read_probe re-reads it if that is wrong. The
-    http group is not read ahead: it is a request to the service (which may hang until its timeout),
-    not host state, and is made once the service step is done."""
+    """At execute, the cheap groups (host, the /health request) and the record are read ahead with the
+    rest of the probe: on a host this run does not change, they see exactly what they would see at
+    the end. The reusable groups are read only when the record does not cover this state."""
     if not host_.state.is_executing:
         return []
     settings = host_settings(host_)
     selected = [checks.CHECKS_BY_NAME[name] for name in DEPLOY_CHECKS]
-    release = planned_only(host_)
-    facts = []
-    for group in checks.groups_for(selected):
-        if group == "http":
-            continue
-        if group == "patches":
-            if release is None:
-                continue
-            script = checks.patches_script(settings, f"{release.dir}/patches.json")
-        else:
-            script = checks.SCRIPTS[group](settings)
-        facts.append(FactRequest.of(VerificationProbe, probe=ProbeScript(group, script)))
+    groups = [group for group in checks.groups_for(selected) if group not in REUSABLE_GROUPS]
+    facts = [_request(settings, group) for group in groups]
+    if settings.verify_reuse:
+        facts.append(FactRequest.of(VerificationRecord, path=record_path(settings)))
     return facts
 
 
@@ -73,6 +140,20 @@ def failure_command(failures: list[checks.Outcome]) -> StringCommand:
     return StringCommand("printf '%s\\n'", *[shlex.quote(line) for line in lines], ">&2; exit 1")
 
 
+def _in_catalogue_order(outcomes: list[checks.Outcome]) -> list[checks.Outcome]:
+    order = {check.name: index for index, check in enumerate(checks.CHECKS)}
+    return sorted(outcomes, key=lambda outcome: order[_base_name(outcome)])
+
+
+def _summary(outcomes: list[checks.Outcome], reused: list[checks.Outcome], record: dict | None) -> str:
+    passed = sum(outcome.status == checks.PASSED for outcome in outcomes)
+    text = f"verified: {passed} check(s) passed, {len(outcomes) - passed} skipped"
+    if reused:
+        text += (f"; {len(reused)} of them not re-run: recorded at {record.get('at')} on this same state "
+                 "(driver, GPUs, toolkit, release, settings)")
+    return text
+
+
 @operation()
 def checks_pass(names: tuple[str, ...] = DEPLOY_CHECKS):
     """
@@ -83,7 +164,8 @@ def checks_pass(names: tuple[str, ...] = DEPLOY_CHECKS):
 
     The checks read the host after the deploy's changes: at prepare time (and with ``--dry``)
     this operation reads nothing and reports no change. Skipped checks are logged with their
-    reason; a failed check fails the host, naming the check and what it found.
+    reason; a failed check fails the host, naming the check and what it found. Heavy checks that
+    passed on this same host state are reused from the host's record (see the module docstring).
 
     **Example:**
 
@@ -96,8 +178,17 @@ def checks_pass(names: tuple[str, ...] = DEPLOY_CHECKS):
         return
     settings = host_settings(host)
     selected = [checks.CHECKS_BY_NAME[name] for name in names]
-    probe = read_probe(settings, checks.groups_for(selected))
-    outcomes = checks.judge_all(settings, probe, selected)
+    heavy = [check for check in selected if is_reusable(check)]
+    probe = read_probe(settings, ("host",))
+    key = state_key(settings, probe)
+    record = None
+    if heavy and settings.verify_reuse:
+        record = host_probe.fact(host, VerificationRecord, path=record_path(settings))
+    reused = recorded_outcomes(record, key, heavy) or []
+    live = [check for check in selected if not (reused and is_reusable(check))]
+    read_probe(settings, checks.groups_for(live), probe)
+    judged = checks.judge_all(settings, probe, live)
+    outcomes = _in_catalogue_order(judged + reused)
     for outcome in outcomes:
         if outcome.status == checks.SKIPPED:
             host.log(f"verify: {outcome.check} skipped: {outcome.detail}", logger.warning)
@@ -105,8 +196,13 @@ def checks_pass(names: tuple[str, ...] = DEPLOY_CHECKS):
     if failures:
         yield failure_command(failures)
         return
-    passed = sum(outcome.status == checks.PASSED for outcome in outcomes)
-    host.noop(f"verified: {passed} check(s) passed, {len(outcomes) - passed} skipped")
+    if heavy and settings.verify_reuse and not reused:
+        ran = [outcome for outcome in judged if _base_name(outcome) in {check.name for check in heavy}]
+        ok, _, stderr = run_remote(host, record_command(settings, key, heavy, ran))
+        if not ok:
+            host.log(f"could not record the verification in {record_path(settings)}: {' '.join(stderr)}",
+                     logger.warning)
+    host.noop(_summary(outcomes, reused, record))
 
 
 @deploy("servestack verify")

@@ -7,7 +7,9 @@ remote command (facts.probe.HostProbe), the requested fact plus every fact the s
 will read (`expects`), each with its own command and parser; later reads come from the cache.
 
 - Stages: prepare and execute each read the host afresh (pyinfra re-runs the generators at
-  execute, after earlier operations changed the host).
+  execute, after earlier operations changed the host), except on a host where prepare found
+  nothing to change: its execute stage starts from prepare's reads (`predicted_no_change`) and
+  reads only the verification probes afresh.
 - Changes: an operation that yielded commands calls `changed(host, *facts)` after its last
   `yield` (at execute that code runs once the commands have run); those facts are dropped and the
   next reader re-reads them, together with any other dropped or not yet read expected fact, in one
@@ -30,6 +32,8 @@ from servestack.settings import real_host
 _PROVIDERS: list[Callable] = []
 # Facts read ahead only while the host has not changed in the stage (the verification probes).
 _VOLATILE: set[type] = set()
+# Facts read outside operations by deploy functions (see `decides`).
+_DECIDING: set[type] = set()
 _CACHE: "WeakKeyDictionary" = WeakKeyDictionary()   # state -> {(host, executing): _Stage}
 
 
@@ -38,6 +42,12 @@ class _Stage:
         self.values: dict[str, object] = {}
         self.dirty = False          # something changed on the host in this stage
         self.reads = 0              # HostProbe commands issued (for tests and the benchmark)
+
+
+def decides(*classes: type) -> None:
+    """Declare facts that deploy functions read outside operations, to decide what to add (they
+    are read at prepare even under `pyinfra -y`, where operations are not run)."""
+    _DECIDING.update(classes)
 
 
 def expects(provider: Callable, volatile: tuple[type, ...] = ()) -> Callable:
@@ -53,7 +63,24 @@ def _stage(host) -> _Stage:
     key = (host.name, bool(state.is_executing))
     if key not in stages:
         stages[key] = _Stage()
+        prepared = stages.get((host.name, False))
+        if state.is_executing and prepared is not None and predicted_no_change(host):
+            stages[key].values = {name: value for name, value in prepared.values.items()
+                                  if not _is_volatile(name)}
     return stages[key]
+
+
+def predicted_no_change(host) -> bool:
+    """pyinfra's prepare stage found that no operation changes this host. Its execute stage then
+    starts from the state prepare read a moment before (no operation will change it; another
+    servestack run cannot either: it would hold the host's lock, which the execute stage takes
+    atomically), and reads afresh only the verification probes, which judge the host as it is."""
+    state = host.state
+    return bool(state.should_check_for_changes()) and state.get_meta_for_host(host).ops_change == 0
+
+
+def _is_volatile(key: str) -> bool:
+    return any(key.startswith(f"{cls.__module__}.{cls.__name__}(") for cls in _VOLATILE)
 
 
 def _expected(host, stage: _Stage) -> list[FactRequest]:
@@ -65,19 +92,37 @@ def _expected(host, stage: _Stage) -> list[FactRequest]:
             continue
     if stage.dirty:
         requests = [request for request in requests if request.cls not in _VOLATILE]
+    if not _operations_run(host):
+        requests = [request for request in requests if request.cls in _DECIDING]
     return requests
+
+
+def _operations_run(host) -> bool:
+    """False at prepare under `pyinfra -y` (no change detection): operations do not run there,
+    so only the facts the deploy functions decide on are read ahead."""
+    state = host.state
+    return bool(state.is_executing or state.should_check_for_changes())
 
 
 def fact(host, cls: type, **kwargs):
     """`host.get_fact(cls, **kwargs)`, answered from this stage's probe of the host."""
+    return facts(host, [FactRequest.of(cls, **kwargs)])[0]
+
+
+def facts(host, wanted: list[FactRequest]) -> list:
+    """Several facts' values; those this stage has not read yet are read in one probe command."""
     target = real_host(host)
     stage = _stage(target)
-    wanted = FactRequest.of(cls, **kwargs)
-    if wanted.key not in stage.values:
-        _read(target, stage, wanted)
-    if wanted.key not in stage.values:  # its command failed in the probe: pyinfra's own handling
-        return target.get_fact(cls, **kwargs)
-    return copy.deepcopy(stage.values[wanted.key])
+    missing = [request for request in wanted if request.key not in stage.values]
+    if missing:
+        _read(target, stage, missing)
+    values = []
+    for request in wanted:
+        if request.key in stage.values:
+            values.append(copy.deepcopy(stage.values[request.key]))
+        else:  # its command failed in the probe: pyinfra's own handling
+            values.append(target.get_fact(request.cls, **dict(request.kwargs)))
+    return values
 
 
 def cached(host, cls: type, **kwargs):
@@ -93,11 +138,12 @@ def _batches(host) -> bool:
     return type(host.connector).__name__ != "FakeConnector"
 
 
-def _read(host, stage: _Stage, wanted: FactRequest) -> None:
+def _read(host, stage: _Stage, wanted: list[FactRequest]) -> None:
     if not _batches(host):
-        stage.values[wanted.key] = host.get_fact(wanted.cls, **dict(wanted.kwargs))
+        for request in wanted:
+            stage.values[request.key] = host.get_fact(request.cls, **dict(request.kwargs))
         return
-    batch = {wanted.key: wanted}
+    batch = {request.key: request for request in wanted}
     for request in _expected(host, stage):
         if request.key not in stage.values:
             batch.setdefault(request.key, request)
@@ -120,9 +166,9 @@ def changed(host, *classes: type) -> None:
     target = real_host(host)
     stage = _stage(target)
     stage.dirty = True
-    drop = set(classes) | _VOLATILE
     for key in list(stage.values):
-        if not classes or any(key.startswith(f"{cls.__module__}.{cls.__name__}(") for cls in drop):
+        if not classes or _is_volatile(key) or any(key.startswith(f"{cls.__module__}.{cls.__name__}(")
+                                                   for cls in classes):
             del stage.values[key]
 
 

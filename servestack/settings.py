@@ -21,7 +21,7 @@ from servestack.manifest import DEFAULT_MANIFEST, Manifest, Package, Runfile, lo
 
 # Host-data keys starting with these belong to servestack: an unknown one is an error, not ignored.
 OWN_PREFIXES = ("servestack_", "cuda_", "gpu_", "uv_", "venv_", "service_", "index_",
-                "wheel_url_", "rollout_", "patches_")
+                "wheel_url_", "rollout_", "patches_", "verify_")
 
 SPECULATIVE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE", "NONE")
 
@@ -235,6 +235,9 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
             "JIT caches of the service (flashinfer, triton, ...): one '<cuda_version>-<release>' dir each"),
         Key("service_secret_env", env_names, _literal(()),
             "names of control-machine environment variables copied into the 0600 secrets file"),
+        Key("verify_reuse", boolean, _literal(True),
+            "the deploy's verify step re-runs its heavy checks (torch on the GPUs, the CUDA sample, the "
+            "patch check) only when the driver, GPUs, toolkit, release or settings changed; False: every run"),
     ]
     keys += [Key(_index_key(name), url, (lambda m, n=name: m.indexes[n]), f"URL of the '{name}' index")
              for name in manifest.indexes]

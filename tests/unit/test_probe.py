@@ -74,7 +74,18 @@ def test_large_probes_are_split_under_the_argument_limit():
 
 
 class FakeState:
-    is_executing = False
+    """What the probe asks of pyinfra's State: the stage, change detection and its prediction."""
+
+    def __init__(self):
+        self.is_executing = False
+        self.check_for_changes = True   # False under `pyinfra -y`
+        self.ops_change = 0             # operations prepare found would change the host
+
+    def should_check_for_changes(self):
+        return self.check_for_changes
+
+    def get_meta_for_host(self, host):
+        return self
 
 
 class FakeHost:
@@ -97,6 +108,7 @@ def providers(monkeypatch, tmp_path):
     (tmp_path / "f").write_text("x")
     monkeypatch.setattr(probe, "_PROVIDERS", [])
     monkeypatch.setattr(probe, "_VOLATILE", set())
+    monkeypatch.setattr(probe, "_DECIDING", set())
     probe.expects(lambda host: [FactRequest.of(Groups), FactRequest.of(Sha256File, path=str(tmp_path / "f"))])
     probe.expects(lambda host: [FactRequest.of(VerificationProbe, probe=ProbeScript("g", "echo hi"))],
                   volatile=(VerificationProbe,))
@@ -108,9 +120,32 @@ def test_one_read_per_stage_answers_every_expected_fact(providers):
     assert "root" in probe.fact(host, Groups)
     assert probe.fact(host, Sha256File, path=str(providers / "f"))
     assert host.probes == [["Groups", "Sha256File", "VerificationProbe"]]
-    host.state.is_executing = True  # execute: a fresh read
+    host.state.ops_change = 1
+    host.state.is_executing = True  # execute, with changes predicted: a fresh read
     probe.fact(host, Groups)
     assert len(host.probes) == 2
+
+
+def test_where_prepare_found_nothing_to_change_execute_rereads_only_the_verification(providers):
+    host = FakeHost()
+    probe.fact(host, Groups)
+    host.state.is_executing = True
+    assert "root" in probe.fact(host, Groups)
+    assert probe.fact(host, Sha256File, path=str(providers / "f"))
+    assert len(host.probes) == 1, "prepare's reads were not reused"
+    probe.fact(host, VerificationProbe, probe=ProbeScript("g", "echo hi"))
+    assert host.probes[1] == ["VerificationProbe"]
+
+
+def test_under_yes_prepare_reads_only_what_deploy_functions_decide_on(providers):
+    probe.decides(Groups)
+    host = FakeHost()
+    host.state.check_for_changes = False  # pyinfra -y: operations do not run at prepare
+    probe.fact(host, UnitState, unit="nothing-such.service")
+    assert host.probes == [["UnitState", "Groups"]]
+    host.state.is_executing = True  # no prediction to rely on: execute reads everything afresh
+    probe.fact(host, Groups)
+    assert host.probes[1] == ["Groups", "Sha256File", "VerificationProbe"]
 
 
 def test_a_change_rereads_only_what_was_dropped(providers):

@@ -474,6 +474,61 @@ def test_health_and_generate_need_200_and_text(h200):
     assert "text ''" in outcome("service_generate", settings, http(generate_status=200, generate_text="")).detail
 
 
+
+@pytest.fixture
+def health_server():
+    """A loopback HTTP server answering GET /health with 200 (or 503 once `.status` says so)."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        status = 200
+
+        def do_GET(self):
+            self.send_response(Health.status if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.handler = Health
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def without_curl(h200) -> str:
+    """A PATH holding python3 but no curl, so the health probe takes its Python branch."""
+    bare = h200.root / "bare-bin"
+    bare.mkdir()
+    (bare / "python3").symlink_to(sys.executable)
+    return str(bare)
+
+
+@pytest.mark.parametrize("curl", [True, False], ids=["curl", "python"])
+def test_the_deploys_health_probe_reports_alike_with_or_without_curl(h200, health_server, curl):
+    port = health_server.server_address[1]
+    settings = h200.settings(service_port=port)
+    script = checks.http_script(settings, generate=False)
+    env = {**os.environ, "PATH": os.environ["PATH"] if curl else without_curl(h200)}
+
+    def health() -> checks.Outcome:
+        out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, env=env, timeout=60).stdout
+        return outcome("service_health", settings, Probe("h200", {"systemd": Section(0, "running"),
+                                                                  **parse_sections(out)}))
+
+    assert health().detail == f"GET http://127.0.0.1:{port}/health: 200"
+    health_server.handler.status = 503
+    assert health().detail == f"GET http://127.0.0.1:{port}/health on h200: 503"
+    health_server.shutdown()
+    health_server.server_close()
+    refused = health().detail
+    assert refused.startswith(f"GET http://127.0.0.1:{port}/health on h200: ")
+    assert ("connection refused (curl exit 7)" in refused) == curl, refused
+
+
 # --- the catalogue and the suite ------------------------------------------------------------------
 
 

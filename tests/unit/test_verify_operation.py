@@ -3,7 +3,9 @@ reads nothing at prepare, passes quietly, and fails the host naming the check th
 
 from __future__ import annotations
 
+import json
 import logging
+import shlex
 
 import pytest
 from pyinfra.api import Config, Inventory, State
@@ -83,3 +85,68 @@ def test_skipped_checks_are_logged_with_their_reason(caplog):
 
 def test_the_deploy_runs_every_check_but_the_generate_request():
     assert set(DEPLOY_CHECKS) == {check.name for check in checks.CHECKS} - {"service_generate"}
+
+
+SAMPLE = [f"{checks.MARK} begin sample", "nvcc -gencode arch=compute_90,code=sm_90",
+          "device 0 NVIDIA H200: vector_add PASS", f"{checks.MARK} end sample 0"]
+WITH_SAMPLE = (*GPU_CHECKS, "cuda_sample")
+READS_RECORD = "verified.json 2>/dev/null"
+
+
+def run_verify(caplog, responses: dict, **data):
+    caplog.clear()
+    state = make_state(gpu_compute_capability="9.0", fake_responses={"begin gpu": H200_GPU, **responses}, **data)
+    add_deploy(state, verify, names=WITH_SAMPLE)
+    run_ops(state)
+    assert not state.failed_hosts
+    assert state.get_meta_for_host(fake_host(state)).ops_change == 0
+    return fake_host(state).connector.executed_commands
+
+
+def written_record(commands: list[str]) -> str:
+    (write,) = [command for command in commands if "verified.json.tmp" in command]
+    return shlex.split(write.split("printf '%s\\n' ", 1)[1].split(" > ", 1)[0])[0]
+
+
+def test_heavy_checks_that_passed_are_recorded_and_reused_while_the_host_state_is_the_same(caplog):
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    first = run_verify(caplog, {"begin sample": SAMPLE})
+    assert any("begin sample" in command for command in first)
+    record = written_record(first)
+    assert json.loads(record)["outcomes"][0][:2] == ["cuda_sample", "passed"]
+    assert "verified: 4 check(s) passed, 0 skipped" in caplog.text
+
+    second = run_verify(caplog, {"begin sample": SAMPLE, READS_RECORD: [record]})
+    assert not any("begin sample" in command for command in second), "the sample ran again"
+    assert not any("verified.json.tmp" in command for command in second)
+    assert "verified: 4 check(s) passed, 0 skipped; 1 of them not re-run: recorded at" in caplog.text
+
+
+def test_a_changed_driver_makes_the_heavy_checks_run_again(caplog):
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    record = written_record(run_verify(caplog, {"begin sample": SAMPLE}))
+    upgraded = [line.replace("580.159.04", "580.190.01") for line in H200_GPU]
+    commands = run_verify(caplog, {"begin sample": SAMPLE, READS_RECORD: [record], "begin gpu": upgraded})
+    assert any("begin sample" in command for command in commands)
+    assert any("verified.json.tmp" in command for command in commands)
+    assert "not re-run" not in caplog.text
+
+
+def test_a_failed_heavy_check_is_not_recorded():
+    state = make_state(gpu_compute_capability="9.0", fake_responses={
+        "begin gpu": H200_GPU, "begin sample": [*SAMPLE[:2], "device 0: FAIL", f"{checks.MARK} end sample 1"],
+        "check(s) failed": {"success": False}})
+    add_deploy(state, verify, names=WITH_SAMPLE)
+    with pytest.raises(PyinfraError):
+        run_ops(state)
+    commands = fake_host(state).connector.executed_commands
+    assert "cuda_sample: the CUDA sample built with" in commands[-1]
+    assert not any("verified.json.tmp" in command for command in commands)
+
+
+def test_verify_reuse_false_runs_every_check_and_keeps_no_record(caplog):
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    record = written_record(run_verify(caplog, {"begin sample": SAMPLE}))
+    commands = run_verify(caplog, {"begin sample": SAMPLE, READS_RECORD: [record]}, verify_reuse=False)
+    assert any("begin sample" in command for command in commands)
+    assert not any("verified.json" in command for command in commands)
