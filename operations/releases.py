@@ -50,30 +50,6 @@ INPUTS_SCHEMA = 1
 
 
 @dataclass(frozen=True)
-class ReleasePlan:
-    """What one host's target release is: its id, where it lives, and what builds it."""
-
-    id: str
-    releases_dir: str
-    inputs: dict = field(repr=False)
-    files: dict = field(repr=False)
-    steps: dict = field(repr=False)
-    expect: dict = field(repr=False)
-
-    @property
-    def dir(self) -> str:
-        return f"{self.releases_dir}/{self.id}"
-
-    @property
-    def venv(self) -> str:
-        return f"{self.dir}/venv"
-
-    @property
-    def python(self) -> str:
-        return f"{self.venv}/bin/python"
-
-
-@dataclass(frozen=True)
 class Release:
     """A release as other steps need it: the service runs `python` by its release path."""
 
@@ -87,6 +63,16 @@ class Release:
     @property
     def python(self) -> str:
         return f"{self.venv}/bin/python"
+
+
+@dataclass(frozen=True)
+class ReleasePlan(Release):
+    """One host's target release (where it lives, as a `Release`) and what builds it."""
+
+    inputs: dict = field(repr=False)
+    files: dict = field(repr=False)
+    steps: dict = field(repr=False)
+    expect: dict = field(repr=False)
 
 
 def release_at(releases_dir: str, release_id: str) -> Release:
@@ -191,9 +177,10 @@ def release_plan(settings, arch: str, python_version: str) -> ReleasePlan:
     pins = {p["name"]: p["version"] for p in inputs["packages"]}
     if "torch" not in pins:
         raise ConfigError("stack.toml: the [[packages]] list has no torch entry")
+    target = release_at(settings.venv_releases_dir, release_id(inputs))
     return ReleasePlan(
-        id=release_id(inputs),
-        releases_dir=settings.venv_releases_dir,
+        id=target.id,
+        dir=target.dir,
         inputs=inputs,
         files={"requirements.txt": requirements_text(inputs), "overrides.txt": overrides_text(inputs),
                "pyproject.toml": pyproject_text(inputs)},

@@ -310,7 +310,7 @@ def backup():
 def build():
     """Build and check the target release beside the active one (nothing is switched)."""
     release = _plan_for_host()
-    _PLANNED[real_host(host)] = release_at(release.releases_dir, release.id)
+    _PLANNED[real_host(host)] = Release(release.id, release.dir)
     build_release(name=f"Build release {release.id}")
 
 

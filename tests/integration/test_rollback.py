@@ -7,16 +7,9 @@ import json
 
 import pytest
 
-from servestack.manifest import load_manifest
-
-from venv_lab import start_lab, stop_lab
+from venv_lab import MANIFEST, RELEASES, ROLLBACK, UPGRADE, VENV, start_lab, stop_lab
 
 pytestmark = pytest.mark.integration
-UPGRADE = "tests/integration/deploys/venv_upgrade.py"
-ROLLBACK = "tests/integration/deploys/venv_rollback.py"
-MANIFEST = load_manifest()
-VENV = MANIFEST.venv["path"]
-RELEASES = MANIFEST.venv["releases_dir"]
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,9 @@ import time
 
 import pytest
 
-from servestack.manifest import load_manifest
-
-from venv_lab import start_lab, stop_lab
+from venv_lab import MANIFEST, RELEASES, ROLLBACK, UPGRADE, VENV, start_lab, stop_lab
 
 pytestmark = pytest.mark.integration
-UPGRADE = "tests/integration/deploys/venv_upgrade.py"
-ROLLBACK = "tests/integration/deploys/venv_rollback.py"
-MANIFEST = load_manifest()
-VENV = MANIFEST.venv["path"]
-RELEASES = MANIFEST.venv["releases_dir"]
 STATE = "/var/lib/servestack"
 TIMINGS = {}
 

@@ -16,12 +16,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from servestack.manifest import load_manifest
 from servestack.sandbox.standins.build import ArtifactSet, build_artifacts
 from servestack.sandbox.standins.host import dress_gpu_host
 
 REPO = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
 PORT = 18080
+# The deploys the venv and rollback tests run, and the paths they check.
+UPGRADE = "tests/integration/deploys/venv_upgrade.py"
+ROLLBACK = "tests/integration/deploys/venv_rollback.py"
+MANIFEST = load_manifest()
+VENV = MANIFEST.venv["path"]
+RELEASES = MANIFEST.venv["releases_dir"]
 
 
 @dataclass

@@ -6,6 +6,7 @@ The build tests resolve and install the stand-in stack with the real uv from a l
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -220,7 +221,7 @@ def build_params(host, index, tmp_path, **data):
     python_version = subprocess.run([HOST_PYTHON, "-c", "import platform; print(platform.python_version())"],
                                     capture_output=True, text=True).stdout.strip()
     plan = release_plan(settings, "x86_64", python_version)
-    plan = plan.__class__(plan.id, host["releases_dir"], plan.inputs, plan.files, plan.steps, plan.expect)
+    plan = dataclasses.replace(plan, dir=f"{host['releases_dir']}/{plan.id}")
     return plan, {**host, "id": plan.id, "release_dir": plan.dir, "inputs": plan.inputs, "files": plan.files,
                   "steps": plan.steps, "expect": plan.expect, "check_script": CHECK.read_text(),
                   "uv_version": load_manifest().uv["version"], "uv_index_url": "http://127.0.0.1:9/none",
