@@ -7,7 +7,9 @@ A host that fails preflight is refused with one line per problem and runs no oth
 """
 
 from operations import base, patches, preflight, service, toolkit, venv, verify
+from servestack.stackorder import index_deploy_file
 
+index_deploy_file(__file__)  # pyinfra inspects this file's frame for every operation (stackorder.py)
 base.servestack_base()
 if preflight.preflight():
     venv.backup()
