@@ -15,6 +15,11 @@ A run's long remote commands (the CUDA installer) also hold `flock` on `lock.bus
 run: a lock whose connection is gone but whose installer still runs on the host is not stale.
 The shell function `lock_alive` below is the single definition of "stale", used both by the
 `HostLock` fact (preflight, doctor) and by the take-lock command.
+
+Every take of the lock by a new run adds one to `<servestack_state_dir>/lock.generation`. A run that
+read the host before it took the lock (pyinfra's prepare stage) knows those reads are still the
+host's state when the generation it took is the one it read plus one: no other run held the lock
+in between, and only a run holding it changes the host.
 """
 
 from __future__ import annotations
@@ -142,6 +147,7 @@ class DiskSpace(FactBase):
 # The run lock
 
 LOCK_NAME = "lock"
+GENERATION_NAME = "lock.generation"
 
 # Shell helpers shared by the fact and the take/release commands. `field KEY FILE` reads one
 # value of the lock's JSON line; `proc_start PID` is the process start time in clock ticks.
@@ -171,9 +177,15 @@ def busy_path(state_dir: str) -> str:
     return lock_path(state_dir) + ".busy"
 
 
+def generation_path(state_dir: str) -> str:
+    """How many times a run took the lock (one integer; absent: never)."""
+    return f"{state_dir.rstrip('/')}/{GENERATION_NAME}"
+
+
 def lock_read_command(state_dir: str) -> str:
     lock = _q(lock_path(state_dir))
     return (_LOCK_FUNCTIONS +
+            f"printf 'generation %s\\n' \"$(cat {_q(generation_path(state_dir))} 2>/dev/null)\"; "
             f"if [ -f {lock} ]; then printf '%s %s\\n' lock \"$(tr -d '\\n' < {lock})\"; "
             f"if lock_alive {lock}; then echo \"lock_alive 1 $why\"; else echo lock_alive 0; fi; fi")
 
@@ -186,6 +198,7 @@ class LockState:
     alive: bool = False
     info: dict | None = None
     why: str | None = None      # alive because: "connection", "busy" or "no-owner"
+    generation: int = 0         # takes of the lock so far (lock.generation)
 
     @property
     def run_id(self) -> str | None:
@@ -204,11 +217,18 @@ class LockState:
                 }.get(self.why or "", "it is still alive")
 
 
+def parse_generation(text: str) -> int:
+    text = text.strip()
+    return int(text) if text.isdigit() else 0
+
+
 def parse_lock(lines: list[str]) -> LockState:
-    present, alive, info, why = False, False, None, None
+    present, alive, info, why, generation = False, False, None, None, 0
     for line in lines:
         key, _, rest = line.partition(" ")
-        if key == "lock":
+        if key == "generation":
+            generation = parse_generation(rest)
+        elif key == "lock":
             present = True
             try:
                 info = json.loads(rest)
@@ -217,7 +237,7 @@ def parse_lock(lines: list[str]) -> LockState:
         elif key == "lock_alive":
             flag, _, why = rest.strip().partition(" ")
             alive = flag == "1"
-    return LockState(present, alive and present, info, (why or None) if alive else None)
+    return LockState(present, alive and present, info, (why or None) if alive else None, generation)
 
 
 class HostLock(FactBase):
@@ -240,18 +260,20 @@ class HostLock(FactBase):
 def take_lock_command(state_dir: str, run_id: str, controller: str, started: str) -> str:
     """Take the lock atomically for `run_id` (under `flock` on `lock.guard`).
 
-    Prints `taken`, `ours` (already held by this run) or `stale <old lock>` then `taken`;
-    exits 3 printing `held <lock>` when a live run holds it.
+    Prints `taken`, `ours` (already held by this run) or `stale <old lock>` then `taken`, each
+    followed by `generation N` (a take by a new run adds one); exits 3 printing `held <lock>` when
+    a live run holds it.
     """
     state = _q(state_dir.rstrip("/"))
     lock = _q(lock_path(state_dir))
+    generation = _q(generation_path(state_dir))
     return _LOCK_FUNCTIONS + f"""
 mkdir -p {state} || exit 1
 command -v flock >/dev/null 2>&1 || {{ echo "servestack: 'flock' (util-linux) is needed on the host" >&2; exit 1; }}
 exec 9>>{state}/lock.guard
 flock -w 60 9 || {{ echo "servestack: timed out waiting for {state_dir}/lock.guard" >&2; exit 1; }}
 if [ -f {lock} ]; then
-    if [ "$(field run_id {lock})" = {_q(run_id)} ]; then echo ours; exit 0; fi
+    if [ "$(field run_id {lock})" = {_q(run_id)} ]; then echo ours; echo "generation $(cat {generation} 2>/dev/null)"; exit 0; fi
     if lock_alive {lock}; then printf '%s %s\\n' held "$(tr -d '\\n' < {lock})"; exit 3; fi
     printf '%s %s\\n' stale "$(tr -d '\\n' < {lock})"
     mv {lock} {lock}.stale-$(date -u +%Y%m%dT%H%M%SZ)
@@ -264,8 +286,11 @@ done
 start=""; [ "$owner" = null ] || start=$(proc_start $owner)
 printf '{{"run_id": "%s", "controller": "%s", "started": "%s", "pid": %s, "owner_start": "%s", "boot_id": "%s"}}\\n' \\
     {_q(run_id)} {_q(controller)} {_q(started)} "$owner" "$start" "$(boot_id)" > {lock}.new.$$ && mv {lock}.new.$$ {lock} || exit 1
+g=$(cat {generation} 2>/dev/null); case "$g" in ''|*[!0-9]*) g=0 ;; esac; g=$((g + 1))
+echo "$g" > {generation}.new.$$ && mv {generation}.new.$$ {generation} || exit 1
 exec 9>&-
 echo taken
+echo "generation $g"
 """
 
 

@@ -8,7 +8,9 @@ line per problem naming the host:
 - `preflight()` runs the checks while pyinfra prepares the deploy (with or without -y, and so in
   `--dry`): a refused host is marked failed before any operation runs on it, not even `base`;
   other hosts go on (pyinfra's --fail-percent applies; a refused host makes the exit status 1);
-- in the execute stage `host_ready` runs the checks again, then takes the lock atomically.
+- in the execute stage `host_ready` runs the checks again, then takes the lock atomically. The
+  execute stage starts from what prepare read (servestack/probe.py); when the lock's generation
+  shows that another run took the lock since, every read is dropped and the checks run again.
 
 The lock (`<servestack_state_dir>/lock`, see facts/host.py) is run bookkeeping, not host state:
 taking and releasing it is not reported as a change, so a converged host still shows zero
@@ -27,7 +29,7 @@ from pyinfra import host
 from pyinfra.api import deploy, operation
 
 from facts.gpu import GpuReport
-from facts.host import lock_path, release_lock_command, take_lock_command
+from facts.host import lock_path, parse_generation, release_lock_command, take_lock_command
 from facts.preflight import HostPreflight, PreflightFacts
 from facts.probe import FactRequest
 from operations.toolkit import (
@@ -264,20 +266,35 @@ def problems_of(checks: list[Check]) -> list[str]:
     return [problem for check in checks if check.status == "fail" for problem in check.problems]
 
 
-def _take_lock(settings: Settings) -> tuple[bool, str]:
-    """Take the host lock for this run now; (taken, what happened)."""
+@dataclass(frozen=True)
+class LockTake:
+    taken: bool
+    what: str               # what happened, for the log or the refusal
+    generation: int = 0     # lock.generation once taken
+    ours: bool = False      # this run held it already
+
+
+def _take_lock(settings: Settings) -> LockTake:
+    """Take the host lock for this run now."""
     state = host.state
     command = take_lock_command(settings.servestack_state_dir, run_id(state), controller_id(), run_started(state))
     ok, stdout, stderr = run_remote(host, command)
     path = lock_path(settings.servestack_state_dir)
     held = [line[5:] for line in stdout if line.startswith("held ")]
     if held:
-        return False, f"another servestack run holds {path}: {held[0]}"
+        return LockTake(False, f"another servestack run holds {path}: {held[0]}")
     if not ok:
-        return False, f"cannot take {path}: {' '.join(stderr) or 'unknown error'}"
+        return LockTake(False, f"cannot take {path}: {' '.join(stderr) or 'unknown error'}")
     stale = [line[6:] for line in stdout if line.startswith("stale ")]
     note = f" (replaced a stale lock: {stale[0]})" if stale else ""
-    return True, f"lock {path} held by run {run_id(state)}{note}"
+    generation = [parse_generation(line[11:]) for line in stdout if line.startswith("generation ")]
+    return LockTake(True, f"lock {path} held by run {run_id(state)}{note}", (generation or [0])[0], "ours" in stdout)
+
+
+def _read_before_another_run(take: LockTake, facts: PreflightFacts) -> bool:
+    """Another run took the lock after `facts` were read (maybe in the prepare stage): what this run
+    read of the host before now may be out of date."""
+    return not take.ours and take.generation != facts.lock.generation + 1
 
 
 _PREPARED: dict = {}      # (state id, host name) -> PreflightFacts read by preflight() at prepare
@@ -298,7 +315,8 @@ def host_ready():
     Reads the host data of servestack.settings; takes no arguments. Never reports a change.
     """
     settings = host_settings(host)
-    checks = evaluate(settings, _read_facts(settings), run_id(host.state))
+    facts = _read_facts(settings)
+    checks = evaluate(settings, facts, run_id(host.state))
     problems = problems_of(checks)
     if problems:
         if is_executing(host):
@@ -312,14 +330,22 @@ def host_ready():
     if not is_executing(host):
         noop(host, "preflight passed (" + "; ".join(f"{c.name}: {c.detail}" for c in checks if c.status == "ok") + ")")
         return
-    taken, what = _take_lock(settings)
-    if not taken:
-        yield refusal([what])
+    take = _take_lock(settings)
+    if not take.taken:
+        yield refusal([take.what])
         return
     release_lock_on_failure(host, settings.servestack_state_dir)
-    if "stale" in what:
-        host.log(what)
-    noop(host, f"preflight passed; {what}")
+    if "stale" in take.what:
+        host.log(take.what)
+    if _read_before_another_run(take, facts):
+        probe.changed(host)  # every step reads the host afresh
+        host.log(f"another run took the lock since this run read the host (lock generation "
+                 f"{facts.lock.generation} -> {take.generation}): reading it again")
+        problems = problems_of(evaluate(settings, _read_facts(settings), run_id(host.state)))
+        if problems:
+            yield refusal(problems)
+            return
+    noop(host, f"preflight passed; {take.what}")
 
 
 @operation()

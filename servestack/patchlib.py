@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib.metadata
 import json
 import os
-import py_compile
 import re
 import sys
-import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,6 +420,8 @@ def apply_set(site_packages: Path, patches: list, checks: dict | None, package: 
     writes = {site_packages / path: text.encode() for path, text in contents.items()}
     writes[record_path] = (json.dumps(make_record(package, version, results), indent=2) + "\n").encode()
     replace_all(writes)
+    import py_compile  # here, not at the top: only applying needs it (the check runs every converge)
+
     for path in contents:
         py_compile.compile(str(site_packages / path), doraise=True)
     return results
@@ -452,6 +451,8 @@ def replace_all(writes: dict) -> None:
 
 def _temp_copy(path: Path, data: bytes) -> str:
     """A temp file next to path holding data, with path's mode (and owner, as root)."""
+    import tempfile
+
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".servestack", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -490,6 +491,48 @@ def load_checks(source: str | None, name: str) -> dict:
     return module.CHECKS
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _metadata_version(metadata: Path) -> str | None:
+    """The `Version:` header of a .dist-info's METADATA (headers end at the first blank line)."""
+    try:
+        with open(metadata, encoding="utf-8") as handle:
+            for line in handle:
+                if not line.strip():
+                    break
+                if line.startswith("Version:"):
+                    return line[len("Version:"):].strip()
+    except OSError:
+        return None
+    return None
+
+
+def find_distribution(package: str) -> tuple[str, Path] | None:
+    """(version, the directory holding it) of the installed distribution, the first on sys.path,
+    as importlib.metadata finds it; read from its .dist-info directly because importing
+    importlib.metadata costs ~40 ms on the host on every converge (it imports email, zipfile...).
+    Distributions without a .dist-info (old .egg-info) are left to importlib.metadata."""
+    wanted = _normalized(package)
+    for entry in sys.path:
+        try:
+            names = sorted(os.listdir(entry or "."))
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".dist-info") and _normalized(name[:-len(".dist-info")].partition("-")[0]) == wanted:
+                version = _metadata_version(Path(entry or ".") / name / "METADATA")
+                if version:
+                    return version, Path(entry or ".").resolve()
+    import importlib.metadata
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return dist.version, Path(dist.locate_file("")).resolve()
+
+
 def remote_main(payload: dict) -> int:
     """Run on the host by the environment's python; prints one JSON object.
 
@@ -498,18 +541,17 @@ def remote_main(payload: dict) -> int:
     """
     package = payload["package"]
     out = {"python": sys.executable, "package": package, "installed": False}
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
+    found = find_distribution(package)
+    if found is None:
         print(json.dumps(out))
         return 0
-    site_packages = Path(dist.locate_file("")).resolve()
-    patch_set = payload["sets"].get(dist.version)
+    version, site_packages = found
+    patch_set = payload["sets"].get(version)
     out.update(
         installed=True,
-        version=dist.version,
+        version=version,
         site_packages=str(site_packages),
-        patch_set=dist.version if patch_set else None,
+        patch_set=version if patch_set else None,
         patches=[],
         record_path=None,
         record=None,
@@ -520,7 +562,7 @@ def remote_main(payload: dict) -> int:
         checks = load_checks(patch_set["checks"], f"servestack_patch_checks_{package}")
         try:
             if payload["mode"] == "apply":
-                results = apply_set(site_packages, patches, checks, package, dist.version, record_path)
+                results = apply_set(site_packages, patches, checks, package, version, record_path)
             else:
                 results = evaluate_set(site_packages, patches, checks)
         except PatchError as exc:
@@ -529,7 +571,7 @@ def remote_main(payload: dict) -> int:
         out.update(
             patches=[r.as_dict() for r in results],
             record_path=str(record_path),
-            record=record_status(record_path, make_record(package, dist.version, results)),
+            record=record_status(record_path, make_record(package, version, results)),
         )
     print(json.dumps(out))
     return 0

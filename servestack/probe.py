@@ -6,10 +6,13 @@ operation and again in each stage (prepare, execute). Here the steps ask `probe.
 remote command (facts.probe.HostProbe), the requested fact plus every fact the steps declared they
 will read (`expects`), each with its own command and parser; later reads come from the cache.
 
-- Stages: prepare and execute each read the host afresh (pyinfra re-runs the generators at
-  execute, after earlier operations changed the host), except on a host where prepare found
-  nothing to change: its execute stage starts from prepare's reads (`predicted_no_change`) and
-  reads only the verification probes afresh.
+- Stages: the execute stage starts from what prepare read (`_seed`), except the verification
+  probes, which judge the host as it is when the verify step runs. Nothing executes at prepare,
+  so everything it read is the host's state before this run changes it: what execute would read
+  first. Another run could change the host in between; it would take the host's lock to do so,
+  and the lock counts its takes (facts/host.py): when the take this run makes (preflight's
+  `host_ready`, before any step changes anything) is not the next one after what prepare read,
+  every read is dropped and made again.
 - Changes: an operation that yielded commands calls `changed(host, *facts)` after its last
   `yield` (at execute that code runs once the commands have run); those facts are dropped and the
   next reader re-reads them, together with any other dropped or not yet read expected fact, in one
@@ -64,19 +67,14 @@ def _stage(host) -> _Stage:
     if key not in stages:
         stages[key] = _Stage()
         prepared = stages.get((host.name, False))
-        if state.is_executing and prepared is not None and predicted_no_change(host):
-            stages[key].values = {name: value for name, value in prepared.values.items()
-                                  if not _is_volatile(name)}
+        if state.is_executing and prepared is not None:
+            _seed(stages[key], prepared)
     return stages[key]
 
 
-def predicted_no_change(host) -> bool:
-    """pyinfra's prepare stage found that no operation changes this host. Its execute stage then
-    starts from the state prepare read a moment before (no operation will change it; another
-    servestack run cannot either: it would hold the host's lock, which the execute stage takes
-    atomically), and reads afresh only the verification probes, which judge the host as it is."""
-    state = host.state
-    return bool(state.should_check_for_changes()) and state.get_meta_for_host(host).ops_change == 0
+def _seed(executing: _Stage, prepared: _Stage) -> None:
+    """The execute stage starts from prepare's reads, but for the volatile facts (see the top)."""
+    executing.values = {name: value for name, value in prepared.values.items() if not _is_volatile(name)}
 
 
 def _is_volatile(key: str) -> bool:

@@ -28,10 +28,12 @@ class PyinfraRun:
         return json.loads(self.stdout)["results"]["totals"]
 
 
-def run_pyinfra(lab, *args: str, target: str = "deploy.py", timeout: int = 900) -> PyinfraRun:
-    """`pyinfra <lab inventory> <target> ARGS` in the controller namespace, from the project root."""
+def run_pyinfra(lab, *args: str, target: str = "deploy.py", timeout: int = 900, answer: str | None = None) -> PyinfraRun:
+    """`pyinfra <lab inventory> <target> ARGS` in the controller namespace, from the project root;
+    `answer`: what to type at pyinfra's prompts (without -y it asks before executing)."""
     argv = lab.controller_argv([PYINFRA, str(lab.inventory_path), target, *args])
-    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                            input=answer, stdin=None if answer is not None else subprocess.DEVNULL)
     return PyinfraRun(result.returncode, result.stdout, result.stderr)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pyinfra_run import ROOT, apply
+from pyinfra_run import ROOT, apply, run_pyinfra
 
 pytestmark = pytest.mark.integration
 
@@ -46,3 +46,28 @@ def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
     assert dry.returncode == 0, dry.stderr[-4000:]
     assert the_lab.fingerprints() == before, "a dry run changed a host"
     assert counts["h1"]["commands"] <= MAX_DRY_COMMANDS, counts
+
+
+ANOTHER_RUN = "tests/integration/deploys/another_run_between_stages.py"
+
+
+def changes_in_results_table(output: str) -> int:
+    """The "Success" (changed) column of the "Grand total" row of pyinfra's results table."""
+    row = [line.split() for line in output.splitlines() if line.strip().startswith("Grand total")][-1]
+    return 0 if row[3] == "-" else int(row[3])
+
+
+def test_another_run_between_prepare_and_execute_makes_this_run_read_the_host_again(lab):
+    """The execute stage starts from what prepare read; another run that took the lock in between
+    (here: it edits the unit file) makes this run drop those reads and put the unit back. Without
+    -y, prepare reads everything, and pyinfra waits for the user's go between the stages."""
+    the_lab = lab(1)
+    apply(the_lab)
+    host = the_lab.hosts[0]
+    run = run_pyinfra(the_lab, target=ANOTHER_RUN, answer="\n")  # (with --json, pyinfra would only plan)
+    assert run.returncode == 0, run.output[-6000:]
+    assert "another run took the lock since this run read the host" in run.output, run.output[-4000:]
+    assert changes_in_results_table(run.output) >= 1, "the unit the other run edited was not put back"
+    unit = the_lab.exec(host, "cat /etc/systemd/system/sglang.service", check=True).stdout
+    assert "edited by another servestack run" not in unit
+    assert the_lab.exec(host, "cat /var/lib/servestack/lock.generation", check=True).stdout.strip().isdigit()

@@ -465,3 +465,29 @@ def test_deploy_patches_the_release_the_venv_step_plans(make_env, run_locally, m
     host, meta = host_ops(state)
     assert meta.ops_change == 1
     assert f"if [ -x {env.python} ]" in host.connector.executed_commands[0]
+
+
+def test_the_installed_version_is_found_where_importlib_metadata_finds_it(make_env):
+    env = make_env("0.5.9")
+    code = ("import importlib.metadata as m, json, sys; sys.path.insert(0, sys.argv[1]); "
+            "from servestack import patchlib; "
+            "found = [patchlib.find_distribution(name) for name in ('sglang', 'SGLang', 'no-such-package')]; "
+            "print(json.dumps([[f[0], str(f[1])] if f else None for f in found] + "
+            "[[m.version('sglang'), str(m.distribution('sglang').locate_file('').resolve())]]))")
+    result = subprocess.run([env.python, "-I", "-c", code, str(Path(patchlib.__file__).parents[1])],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    sglang, capitalised, absent, by_importlib = json.loads(result.stdout)
+    assert sglang == capitalised == by_importlib == ["0.5.9", str(env.site_packages.resolve())]
+    assert absent is None
+
+
+def test_finding_an_installed_package_imports_no_importlib_metadata(make_env):
+    env = make_env("0.5.9")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from servestack import patchlib; "
+            "assert patchlib.find_distribution('sglang')[0] == '0.5.9'; "
+            "print('importlib.metadata' in sys.modules)")
+    result = subprocess.run([env.python, "-I", "-c", code, str(Path(patchlib.__file__).parents[1])],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -74,18 +74,14 @@ def test_large_probes_are_split_under_the_argument_limit():
 
 
 class FakeState:
-    """What the probe asks of pyinfra's State: the stage, change detection and its prediction."""
+    """What the probe asks of pyinfra's State: the stage and whether it detects changes."""
 
     def __init__(self):
         self.is_executing = False
         self.check_for_changes = True   # False under `pyinfra -y`
-        self.ops_change = 0             # operations prepare found would change the host
 
     def should_check_for_changes(self):
         return self.check_for_changes
-
-    def get_meta_for_host(self, host):
-        return self
 
 
 class FakeHost:
@@ -120,21 +116,29 @@ def test_one_read_per_stage_answers_every_expected_fact(providers):
     assert "root" in probe.fact(host, Groups)
     assert probe.fact(host, Sha256File, path=str(providers / "f"))
     assert host.probes == [["Groups", "Sha256File", "VerificationProbe"]]
-    host.state.ops_change = 1
-    host.state.is_executing = True  # execute, with changes predicted: a fresh read
-    probe.fact(host, Groups)
-    assert len(host.probes) == 2
 
 
-def test_where_prepare_found_nothing_to_change_execute_rereads_only_the_verification(providers):
+def test_execute_starts_from_prepares_reads_and_rereads_only_the_verification(providers):
     host = FakeHost()
     probe.fact(host, Groups)
-    host.state.is_executing = True
+    host.state.is_executing = True      # nothing executed at prepare, whatever it predicted
     assert "root" in probe.fact(host, Groups)
     assert probe.fact(host, Sha256File, path=str(providers / "f"))
     assert len(host.probes) == 1, "prepare's reads were not reused"
     probe.fact(host, VerificationProbe, probe=ProbeScript("g", "echo hi"))
     assert host.probes[1] == ["VerificationProbe"]
+
+
+def test_execute_rereads_what_an_operation_changed_after_starting_from_prepare(providers):
+    host = FakeHost()
+    probe.fact(host, Groups)
+    host.state.is_executing = True
+    probe.changed(host, Groups)          # an operation's commands ran
+    probe.fact(host, Groups)
+    assert host.probes[1] == ["Groups"]
+    probe.changed(host)                  # the lock was taken by another run since prepare
+    probe.fact(host, Sha256File, path=str(providers / "f"))
+    assert host.probes[2] == ["Sha256File", "Groups"]
 
 
 def test_under_yes_prepare_reads_only_what_deploy_functions_decide_on(providers):
@@ -143,9 +147,11 @@ def test_under_yes_prepare_reads_only_what_deploy_functions_decide_on(providers)
     host.state.check_for_changes = False  # pyinfra -y: operations do not run at prepare
     probe.fact(host, UnitState, unit="nothing-such.service")
     assert host.probes == [["UnitState", "Groups"]]
-    host.state.is_executing = True  # no prediction to rely on: execute reads everything afresh
+    host.state.is_executing = True  # execute starts from what prepare read, reads the rest
     probe.fact(host, Groups)
-    assert host.probes[1] == ["Groups", "Sha256File", "VerificationProbe"]
+    assert len(host.probes) == 1
+    probe.fact(host, Sha256File, path=str(providers / "f"))
+    assert host.probes[1] == ["Sha256File", "VerificationProbe"]
 
 
 def test_a_change_rereads_only_what_was_dropped(providers):

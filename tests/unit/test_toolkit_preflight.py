@@ -154,8 +154,9 @@ def sh(command: str) -> subprocess.CompletedProcess:
 
 def test_lock_take_is_exclusive_and_stale_locks_are_replaced(tmp_path):
     state = str(tmp_path / "state")
-    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "taken\n"
-    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "ours\n"
+    assert parse_lock(sh(lock_read_command(state)).stdout.splitlines()).generation == 0
+    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "taken\ngeneration 1\n"
+    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "ours\ngeneration 1\n"
     # No sshd above this shell: the owner is unknown, so the lock holds until reboot.
     held = sh(take_lock_command(state, "run-B", "ctl:2", "T"))
     assert held.returncode == 3 and held.stdout.startswith("held ")
@@ -166,11 +167,14 @@ def test_lock_take_is_exclusive_and_stale_locks_are_replaced(tmp_path):
     path.write_text(path.read_text().replace('"pid": null', '"pid": 4194304'))
     assert not parse_lock(sh(lock_read_command(state)).stdout.splitlines()).alive
     taken = sh(take_lock_command(state, "run-B", "ctl:2", "T"))
-    assert taken.stdout.startswith("stale ") and taken.stdout.endswith("taken\n")
+    assert taken.stdout.startswith("stale ") and taken.stdout.endswith("taken\ngeneration 2\n")
     assert json.loads(path.read_text())["run_id"] == "run-B"
     assert sh(release_lock_command(state, "run-A")).stdout == "not-ours\n"
     assert sh(release_lock_command(state, "run-B")).stdout == "released\n"
     assert not path.exists()
+    # Releasing keeps the count: a reader learns how many runs took the lock since it last looked.
+    assert parse_lock(sh(lock_read_command(state)).stdout.splitlines()).generation == 2
+    assert sh(take_lock_command(state, "run-C", "ctl:3", "T")).stdout == "taken\ngeneration 3\n"
 
 
 def test_lock_of_a_rebooted_host_is_stale(tmp_path):
