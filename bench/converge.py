@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from servestack.sandbox import cgroups  # noqa: E402
 from servestack.sandbox.lab import Lab  # noqa: E402
 
 COUNTER = ROOT / "bench" / "counting_pyinfra.py"
@@ -51,19 +53,39 @@ def git_sha() -> str:
     return (sha or "nogit") + ("-dirty" if dirty else "")
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _hosts_cpu_usec(lab: Lab) -> dict[str, int | None]:
+    return {host.name: cgroups.cpu_usec(host.machine) for host in lab.hosts}
+
+
 def pyinfra(lab: Lab, hosts: list[str], *args: str, timeout: int = 3600) -> tuple[float, dict, subprocess.CompletedProcess]:
-    """One pyinfra run against `hosts`; (wall seconds, remote counts per host, the process)."""
+    """One pyinfra run against `hosts`; (wall seconds, counts per host, the process).
+
+    Counts per host: remote commands and transfers (counting_pyinfra.py) and the CPU time the host
+    used meanwhile (its cgroup: sshd, the probe's shells and programs); "controller" holds the
+    pyinfra process's own CPU time."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         counts_path = handle.name
     limits = [argument for name in hosts for argument in ("--limit", name)]
     argv = [sys.executable, str(COUNTER), counts_path, str(lab.inventory_path), "deploy.py", *limits, *args]
+    cpu_before, hosts_before = _children_cpu_s(), _hosts_cpu_usec(lab)
     started = time.perf_counter()
     result = subprocess.run(lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     elapsed = time.perf_counter() - started
+    cpu_after, hosts_after = _children_cpu_s(), _hosts_cpu_usec(lab)
     try:
         counts = json.loads(Path(counts_path).read_text() or "{}")
     finally:
         os.unlink(counts_path)
+    for name in hosts:
+        before, after = hosts_before.get(name), hosts_after.get(name)
+        if before is not None and after is not None:
+            counts.setdefault(name, {})["cpu_ms"] = (after - before) // 1000
+    counts["controller"] = {"cpu_s": round(cpu_after - cpu_before, 3)}
     return elapsed, counts, result
 
 
@@ -88,12 +110,15 @@ def converge(lab: Lab, hosts: list[str]) -> None:
 def per_host(counts: dict, hosts: list[str]) -> dict:
     commands = [counts.get(name, {}).get("commands", 0) for name in hosts]
     transfers = [counts.get(name, {}).get("transfers", 0) for name in hosts]
-    return {"commands_max": max(commands), "commands_min": min(commands), "transfers_max": max(transfers)}
+    cpu = [counts[name]["cpu_ms"] for name in hosts if "cpu_ms" in counts.get(name, {})]
+    return {"commands_max": max(commands), "commands_min": min(commands), "transfers_max": max(transfers),
+            "host_cpu_ms": round(statistics.mean(cpu)) if cpu else None,
+            "controller_cpu_s": counts.get("controller", {}).get("cpu_s")}
 
 
 def measure(lab: Lab, hosts: list[str], mode: str, repeat: int) -> dict:
     args = ("-y", "--json") if mode == "noop" else ("--dry",)
-    times, counted = [], None
+    times, runs = [], []
     for _ in range(repeat):
         elapsed, counts, result = pyinfra(lab, hosts, *args)
         if result.returncode != 0:
@@ -102,9 +127,10 @@ def measure(lab: Lab, hosts: list[str], mode: str, repeat: int) -> dict:
         if mode == "noop" and changes(result):
             raise BenchFailed(f"a no-op converge of {len(hosts)} host(s) changed {changes(result)} thing(s)")
         times.append(elapsed)
-        counted = per_host(counts, hosts)
+        runs.append(per_host(counts, hosts))
+    median_run = runs[times.index(sorted(times)[len(times) // 2])]
     return {"hosts": len(hosts), "mode": mode, "times_s": [round(t, 3) for t in times],
-            "median_s": round(statistics.median(times), 3), **counted}
+            "median_s": round(statistics.median(times), 3), **median_run}
 
 
 def ratios(rows: list[dict]) -> dict:
@@ -120,14 +146,18 @@ def ratios(rows: list[dict]) -> dict:
 
 def show(rows: list[dict], out: dict) -> None:
     table = Table(title=f"no-op converge and dry run of a converged fleet ({out['commit']}, {out['utc']})")
-    for column in ("mode", "hosts", "median s", "runs s", "remote commands / host", "transfers / host"):
+    for column in ("mode", "hosts", "median s", "runs s", "remote commands / host", "transfers / host",
+                   "host CPU ms / host", "controller CPU s"):
         table.add_column(column)
     for row in rows:
         spread = f"{row['commands_min']}-{row['commands_max']}" if row["commands_min"] != row["commands_max"] \
             else str(row["commands_max"])
         table.add_row(row["mode"], str(row["hosts"]), f"{row['median_s']:.2f}",
-                      " ".join(f"{t:.2f}" for t in row["times_s"]), spread, str(row["transfers_max"]))
+                      " ".join(f"{t:.2f}" for t in row["times_s"]), spread, str(row["transfers_max"]),
+                      str(row.get("host_cpu_ms")), str(row.get("controller_cpu_s")))
     console.print(table)
+    console.print(f"(the hosts share this machine's {out['cpus']} CPUs with the controller: CPU columns of the "
+                  "median run)")
     for name, value in out["ratios"].items():
         console.print(f"ratio {name}: {value:.2f}x")
 

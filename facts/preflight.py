@@ -25,6 +25,7 @@ class PreflightFacts:
     disks: dict = field(default_factory=dict)
     lock: LockState = LockState()
     toolkit: ToolkitState | None = None
+    gpu_output: tuple[str, ...] = ()    # the GPU section as read (the verify step judges it too)
 
     @property
     def arch(self) -> str | None:
@@ -58,6 +59,7 @@ class HostPreflight(FactBase):
         sections = split_sections(output[1:] if header else output)
         return PreflightFacts(
             gpu=parse_gpu_output(sections.get("gpu", [])),
+            gpu_output=tuple(sections.get("gpu", [])),
             disks=parse_disks(sections.get("disk", [])),
             lock=parse_lock(sections.get("lock", [])),
             toolkit=parse_toolkits(header.get("install_path", ""), header.get("link_path", ""),

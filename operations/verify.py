@@ -12,6 +12,10 @@ host (`<servestack_state_dir>/verified.json`, bookkeeping like the lock: not a c
 digest of that state; a later converge that finds the same digest reuses them and says so, and
 runs only the cheap checks live. `verify_reuse=False` runs every check live on every converge;
 `servestack verify` (the testinfra suite) always does.
+
+The GPU section is the one preflight read in this run, replayed into the host script, instead of
+asking nvidia-smi a second time (it wakes the driver for every GPU); servestack never touches the
+driver or the GPUs, and a step that drops every read makes the script ask nvidia-smi itself.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from dataclasses import asdict
 from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 
+from facts.preflight import HostPreflight
 from facts.probe import FactRequest
 from facts.verify import ProbeScript, VerificationProbe, VerificationRecord
+from operations.preflight import preflight_fact_arguments
 from servestack import checks
 from servestack import probe as host_probe
 from servestack.hostrun import run_remote
@@ -51,18 +57,27 @@ def is_reusable(check: checks.Check) -> bool:
     return any(group in REUSABLE_GROUPS for group in check.groups)
 
 
-def group_script(settings: Settings, group: str, probe: checks.Probe | None = None) -> str:
+def group_script(settings: Settings, group: str, probe: checks.Probe | None = None, target=None) -> str:
     """A probe group's script as the deploy runs it: the HTTP probe asks /health only (the service
     step's gate has just made a real request); the patch check reads the active release's record."""
     if group == "http":
         return checks.http_script(settings, generate=False)
     if group == "patches":
         return checks.patches_script(settings, checks.patch_record_for(probe) if probe else None)
+    if group == "host":
+        return checks.host_script(settings, gpu_output=_gpu_output_read_by_preflight(target or host, settings))
     return checks.SCRIPTS[group](settings)
 
 
-def _request(settings: Settings, group: str, probe: checks.Probe | None = None) -> FactRequest:
-    script = group_script(settings, group, probe)
+def _gpu_output_read_by_preflight(target, settings: Settings) -> tuple[str, ...] | None:
+    """The GPU section preflight read in this run, while the host's reads are still current (nothing
+    changed since, or nothing that drops them: servestack never touches the driver or the GPUs)."""
+    preflight = host_probe.cached(target, HostPreflight, **preflight_fact_arguments(settings))
+    return preflight.gpu_output if preflight is not None and preflight.gpu_output else None
+
+
+def _request(settings: Settings, group: str, probe: checks.Probe | None = None, target=None) -> FactRequest:
+    script = group_script(settings, group, probe, target)
     return FactRequest.of(VerificationProbe, probe=ProbeScript(group, script))
 
 
@@ -124,7 +139,7 @@ def _expected_facts(host_) -> list[FactRequest]:
     settings = host_settings(host_)
     selected = [checks.CHECKS_BY_NAME[name] for name in DEPLOY_CHECKS]
     groups = [group for group in checks.groups_for(selected) if group not in REUSABLE_GROUPS]
-    facts = [_request(settings, group) for group in groups]
+    facts = [_request(settings, group, target=host_) for group in groups]
     if settings.verify_reuse:
         facts.append(FactRequest.of(VerificationRecord, path=record_path(settings)))
     return facts

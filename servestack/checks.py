@@ -164,6 +164,11 @@ def _q(value) -> str:
     return shlex.quote(str(value))
 
 
+def _replay(lines: tuple[str, ...]) -> str:
+    """A command printing `lines` as they were read."""
+    return f"printf '%s\\n' {' '.join(_q(line) for line in lines)}" if lines else "true"
+
+
 def secrets_file(settings: Settings) -> str:
     """The service's secrets file (operations/service.py; root 0600)."""
     return secrets_path(settings)
@@ -218,14 +223,18 @@ def _service_sections(settings: Settings) -> list[str]:
     ]
 
 
-def host_script(settings: Settings) -> str:
-    """One shell script reading everything the host-group checks need."""
+def host_script(settings: Settings, gpu_output: tuple[str, ...] | None = None) -> str:
+    """One shell script reading everything the host-group checks need.
+
+    `gpu_output`: the output of `gpu_command()` as this run already read it (the deploy's preflight):
+    the script prints it instead of asking nvidia-smi again, which on a GPU host is the slowest
+    read of all (it wakes the driver for every GPU)."""
     cuda = settings.cuda_install_path
     venv = _q(settings.venv_path)
     records = " ".join(PATCH_RECORDS)
     parts = [
         _PRELUDE,
-        _section("gpu", gpu_command()),
+        _section("gpu", gpu_command() if gpu_output is None else _replay(gpu_output)),
         _section("device_nodes", "ls -d /dev/nvidiactl /dev/nvidia[0-9]* 2>/dev/null; true"),
         _section("tree", tree_command(cuda, "tree")),
         _section("toolkit_package", f"set -- {_q(cuda + '/bin/nvcc')}; {_PACKAGE_OWNER}"),

@@ -51,6 +51,16 @@ def pids(name: str) -> set[int]:
     return found
 
 
+def cpu_usec(name: str) -> int | None:
+    """CPU time used so far by every process of cgroup `name` and below (µs; the unified hierarchy's
+    `cpu.stat`, present without the cpu controller), or None where it cannot be read."""
+    for line in _read(HIERARCHIES[1] / name / "cpu.stat").splitlines():
+        key, _, value = line.partition(" ")
+        if key == "usage_usec" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
 def kill(name: str, sig: int = signal.SIGKILL) -> None:
     """Send `sig` to every process in cgroup `name` and below."""
     for pid in pids(name):

@@ -136,6 +136,24 @@ def test_every_probe_script_is_valid_posix_sh_and_always_exits_0(h200):
     assert len(checks.host_script(settings)) < 32 * 1024  # one SSH argument, well under Linux's 128 KiB
 
 
+def test_the_host_script_replays_the_gpu_output_preflight_read_instead_of_asking_again(h200):
+    """The deploy's verify step hands in what preflight read: same section, same checks, no nvidia-smi."""
+    from facts.gpu import gpu_command
+    from facts.preflight import HostPreflight
+
+    settings = h200.settings()
+    read = HostPreflight().process(h200.run("echo '@@section gpu'; ( " + gpu_command() + " )").splitlines())
+    assert read.gpu_output and read.gpu.gpus
+    live = parse_sections(h200.run(checks.host_script(settings)))
+    write_script(h200.bin / "nvidia-smi", "#!/bin/sh\necho asked >&2; exit 9\n")  # must not be run
+    replayed = parse_sections(h200.run(checks.host_script(settings, gpu_output=read.gpu_output)))
+    assert replayed["gpu"] == live["gpu"]
+    assert "asked" not in replayed["gpu"].text
+    probe = Probe("h200")
+    probe.sections.update(replayed)
+    assert outcome("gpu_capability", settings, probe).passed
+
+
 # --- GPU: the real H200's nvidia-smi ------------------------------------------------------
 
 

@@ -150,3 +150,34 @@ def test_verify_reuse_false_runs_every_check_and_keeps_no_record(caplog):
     commands = run_verify(caplog, {"begin sample": SAMPLE, READS_RECORD: [record]}, verify_reuse=False)
     assert any("begin sample" in command for command in commands)
     assert not any("verified.json" in command for command in commands)
+
+
+def test_the_gpus_preflight_read_are_judged_without_asking_nvidia_smi_again(caplog):
+    """nvidia-smi wakes the driver for every GPU: the verify step replays what preflight read in
+    this run (the deploy's probe cache) instead of running it a second time."""
+    from pyinfra import host
+    from pyinfra.api import deploy
+
+    from facts.preflight import HostPreflight
+    from operations.preflight import preflight_fact_arguments
+    from servestack import probe
+    from servestack.settings import host_settings
+
+    @deploy("read as preflight does")
+    def read_preflight():
+        found = probe.fact(host, HostPreflight, **preflight_fact_arguments(host_settings(host)))
+        assert found.gpu.gpus and found.gpu_output
+
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    preflight_answer = ["args {}", "@@section gpu", *H200_GPU[1:-1]]
+    state = make_state(gpu_compute_capability="9.0",
+                       fake_responses={"begin gpu": H200_GPU, "@@section gpu": preflight_answer})
+    add_deploy(state, read_preflight)
+    add_deploy(state, verify, names=GPU_CHECKS)
+    run_ops(state)
+    host_ = fake_host(state)
+    assert not state.failed_hosts
+    script = [command for command in host_.connector.executed_commands if "begin gpu" in command][-1]
+    assert "nvidia-smi --query-gpu" not in script
+    assert shlex.quote(H200_GPU[2]) in script
+    assert "verified: 3 check(s) passed, 0 skipped" in caplog.text
