@@ -10,6 +10,7 @@ that version's set and prints one JSON object (see patchlib.remote_main).
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import shlex
 import zlib
@@ -51,6 +52,13 @@ def _series(set_dir: Path, package_dir: Path) -> list[Path]:
     return [package_dir / line for line in lines if line and not line.startswith("#")]
 
 
+@functools.lru_cache(maxsize=8)
+def _packed(text: str) -> str:
+    """base64 of zlib-compressed `text` (compressing the engine and sets takes ~7 ms; a run asks
+    for the same payload several times per host)."""
+    return base64.b64encode(zlib.compress(text.encode(), 9)).decode()
+
+
 def remote_command(python: str, mode: str, package: str, record_path: str | None, patch_root: str | Path) -> str:
     """The shell command running patchlib.remote_main with the environment's python.
 
@@ -65,7 +73,7 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
         "sets": load_patch_sets(package, patch_root),
         "engine": Path(patchlib.__file__).read_text(),
     }
-    blob = base64.b64encode(zlib.compress(json.dumps(payload).encode(), 9)).decode()
+    blob = _packed(json.dumps(payload))
     script = "\n".join(
         [
             f"# servestack patches: {mode} {package}",
