@@ -297,13 +297,7 @@ def _read_before_another_run(take: LockTake, facts: PreflightFacts) -> bool:
     return not take.ours and take.generation != facts.lock.generation + 1
 
 
-_PREPARED: dict = {}      # (state id, host name) -> PreflightFacts read by preflight() at prepare
-
-
 def _read_facts(settings: Settings) -> PreflightFacts:
-    prepared = _PREPARED.pop((id(host.state), host.name), None)
-    if prepared is not None and not is_executing(host):
-        return prepared
     return probe.fact(host, HostPreflight, **preflight_fact_arguments(settings))
 
 
@@ -373,12 +367,10 @@ def preflight() -> bool:
     deploy.py skips the remaining steps of a refused host: `if preflight.preflight(): ...`.
     """
     settings = host_settings(host)
-    facts = probe.fact(host, HostPreflight, **preflight_fact_arguments(settings))
-    problems = problems_of(evaluate(settings, facts, run_id(host.state)))
+    problems = problems_of(evaluate(settings, _read_facts(settings), run_id(host.state)))
     if problems:
         refuse_now(host, problems)
         return False
-    _PREPARED[(id(host.state), host.name)] = facts
     host_ready(name="preflight checks and host lock")
     return True
 

@@ -686,8 +686,8 @@ probe.decides(Groups, UserEntry, VenvTarget)  # read by sglang_service() itself,
 @probe.expects
 def _expected_facts(host_) -> list[FactRequest]:
     settings = host_settings(host_)
-    facts = [FactRequest.of(Groups), FactRequest.of(UserAccount, user=settings.service_user), FactRequest.of(UserEntry, user=settings.service_user),
-             FactRequest.of(Directory, path=home_dir(settings)),
+    facts = [FactRequest.of(Groups), FactRequest.of(UserAccount, user=settings.service_user),
+             FactRequest.of(UserEntry, user=settings.service_user), FactRequest.of(Directory, path=home_dir(settings)),
              FactRequest.of(VenvTarget, path=settings.venv_path), FactRequest.of(Which, command="curl"),
              FactRequest.of(UnitState, unit=settings.service_name),
              FactRequest.of(Sha256File, path=unit_path(settings)),

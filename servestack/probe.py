@@ -14,7 +14,8 @@ will read (`expects`), each with its own command and parser; later reads come fr
   `host_ready`, before any step changes anything) is not the next one after what prepare read,
   every read is dropped and made again.
 - Changes: an operation that yielded commands calls `changed(host, *facts)` after its last
-  `yield` (at execute that code runs once the commands have run); those facts are dropped and the
+  `yield` (at execute that code runs once the commands have run; at prepare nothing ran, and
+  nothing is dropped); those facts are dropped and the
   next reader re-reads them, together with any other dropped or not yet read expected fact, in one
   command. The verification checks' facts are dropped on every change, and once the host changed
   in a stage they are no longer read ahead (the verify step reads them itself, once).
@@ -77,8 +78,12 @@ def _seed(executing: _Stage, prepared: _Stage) -> None:
     executing.values = {name: value for name, value in prepared.values.items() if not _is_volatile(name)}
 
 
+def _of_class(key: str, cls: type) -> bool:
+    return key.startswith(f"{cls.__module__}.{cls.__name__}(")
+
+
 def _is_volatile(key: str) -> bool:
-    return any(key.startswith(f"{cls.__module__}.{cls.__name__}(") for cls in _VOLATILE)
+    return any(_of_class(key, cls) for cls in _VOLATILE)
 
 
 def _expected(host, stage: _Stage) -> list[FactRequest]:
@@ -160,13 +165,17 @@ def _missing_marker() -> str:
 
 
 def changed(host, *classes: type) -> None:
-    """After an operation's commands ran: forget `classes` (every fact when none is named)."""
+    """After an operation's commands ran: forget `classes` (every fact when none is named).
+
+    At prepare, nothing ran (pyinfra only collects the commands): the host is still as read, and
+    reading it again would cost a remote command for the same answer."""
     target = real_host(host)
+    if not target.state.is_executing:
+        return
     stage = _stage(target)
     stage.dirty = True
     for key in list(stage.values):
-        if not classes or _is_volatile(key) or any(key.startswith(f"{cls.__module__}.{cls.__name__}(")
-                                                   for cls in classes):
+        if not classes or _is_volatile(key) or any(_of_class(key, cls) for cls in classes):
             del stage.values[key]
 
 

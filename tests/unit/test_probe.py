@@ -156,6 +156,7 @@ def test_under_yes_prepare_reads_only_what_deploy_functions_decide_on(providers)
 
 def test_a_change_rereads_only_what_was_dropped(providers):
     host = FakeHost()
+    host.state.is_executing = True
     probe.fact(host, Groups)
     probe.changed(host, Sha256File)
     probe.fact(host, Groups)
@@ -171,3 +172,14 @@ def test_an_unexpected_fact_is_read_with_the_missing_expected_ones(providers):
     assert host.probes == [["UnitState", "Groups", "Sha256File", "VerificationProbe"]]
     assert probe.cached(host, Groups) is not None
     assert probe.cached(host, Which, command="sh") is None
+
+
+def test_at_prepare_a_predicted_change_drops_nothing(providers):
+    """At prepare pyinfra only collects commands: the host is as read, re-reading it would cost a
+    remote command for the same answer."""
+    host = FakeHost()
+    probe.fact(host, Groups)
+    probe.changed(host)
+    assert probe.cached(host, Groups) is not None
+    probe.fact(host, Sha256File, path=str(providers / "f"))
+    assert len(host.probes) == 1
