@@ -79,14 +79,14 @@ class ProbeRequest:
         return ", ".join(fact.name for fact in self.facts)
 
     def command(self) -> str:
-        """Every fact's command at once (each in a subshell, output to a private temporary directory),
-        then their outputs in order: the probe takes as long as its slowest fact, not their sum."""
-        start = [f"( ( {fact.command()}\n) </dev/null >\"$d/{index}\"; echo $? >\"$d/{index}.rc\" ) &"
+        """Every fact's command at once (each in a subshell, its framed output to a file of a private
+        temporary directory), then all the files: the probe takes as long as its slowest fact, not
+        their sum. The framing costs two forks per fact and no other program (each program started
+        costs a host ~1.5 ms of CPU, and a fleet's no-op converge is mostly such reads)."""
+        start = [f"{{ echo '{BEGIN}{index}'; ( {fact.command()}\n) </dev/null; "
+                 f"printf '\\n{END}{index} %s\\n' \"$?\"; }} >\"$d/{index}\" &"
                  for index, fact in enumerate(self.facts)]
-        collect = (f"i=0; while [ $i -lt {len(self.facts)} ]; do echo \"{BEGIN}$i\"; cat \"$d/$i\"; "
-                   f"if [ -n \"$(tail -c 1 \"$d/$i\")\" ]; then echo; fi; "
-                   f"echo \"{END}$i $(cat \"$d/$i.rc\")\"; i=$((i+1)); done")
-        return "\n".join(["d=$(mktemp -d) || exit 1", *start, "wait", collect, "rm -rf \"$d\"", "true"])
+        return "\n".join(["d=$(mktemp -d) || exit 1", *start, "wait", "cat \"$d\"/*", "rm -rf \"$d\"", "true"])
 
 
 def split_requests(facts: list[FactRequest]) -> list[ProbeRequest]:
@@ -104,7 +104,11 @@ def split_requests(facts: list[FactRequest]) -> list[ProbeRequest]:
 
 
 def split_probe_output(lines: list[str]) -> dict[int, tuple[int | None, list[str]]]:
-    """{index: (exit status or None when cut off, output lines)} from a probe's output."""
+    """{index: (exit status or None when cut off, output lines)} from a probe's output.
+
+    The end marker is printed after a newline, so that output without a final newline keeps it
+    apart: output that had its final newline shows one empty line before the marker, dropped here
+    (pyinfra's own reading gives the same lines, blank ones included)."""
     found: dict[int, tuple[int | None, list[str]]] = {}
     current, body = None, []
     for line in lines:
@@ -114,6 +118,8 @@ def split_probe_output(lines: list[str]) -> dict[int, tuple[int | None, list[str
         elif line.startswith(END) and current is not None:
             index, _, rc = line[len(END):].partition(" ")
             if int(index) == current:
+                if body and body[-1] == "":
+                    body.pop()
                 found[current] = (int(rc) if rc.strip().lstrip("-").isdigit() else None, body)
                 current = None
         elif current is not None:

@@ -45,6 +45,39 @@ def test_output_without_a_final_newline_keeps_its_marker_apart():
     assert found == {0: (0, ["no-newline"]), 1: (4, ["x"])}
 
 
+@pytest.mark.parametrize("output", ["", "\\n", "a", "a\\n", "a\\n\\n", "\\na\\n\\nb", "a\\n\\n\\n"])
+def test_each_output_reads_as_the_same_lines_as_the_command_run_alone(output):
+    class Printf(Which):
+        def command(self, command):
+            return f"printf '{command}'"
+
+    request = ProbeRequest((FactRequest.of(Printf, command=output), FactRequest.of(Printf, command="x")))
+    found = HostProbe().process(run_locally(HostProbe().command(request)))
+    assert found == {0: (0, run_locally(f"printf '{output}'")), 1: (0, ["x"])}
+
+
+def test_the_probe_starts_no_program_per_fact(tmp_path):
+    """Framing a fact's output costs forks only: the programs a probe starts are its facts' own and
+    the two around them (mktemp, cat and rm)."""
+    (tmp_path / "bin").mkdir()
+    log = tmp_path / "started"
+    for name in ("mktemp", "cat", "rm", "tail"):
+        real = subprocess.run(["sh", "-c", f"command -v {name}"], capture_output=True, text=True).stdout.strip()
+        wrapper = tmp_path / "bin" / name
+        wrapper.write_text(f"#!/bin/sh\necho {name} >> {log}\nexec {real} \"$@\"\n")
+        wrapper.chmod(0o755)
+
+    class Echo(Which):
+        def command(self, command):
+            return f"echo {command}"
+
+    request = ProbeRequest(tuple(FactRequest.of(Echo, command=str(i)) for i in range(10)))
+    lines = subprocess.run(["sh", "-c", HostProbe().command(request)], capture_output=True, text=True, check=True,
+                           env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}).stdout.splitlines()
+    assert HostProbe().process(lines) == {i: (0, [str(i)]) for i in range(10)}
+    assert sorted(log.read_text().split()) == ["cat", "mktemp", "rm"]
+
+
 def test_a_failing_command_is_reported_with_its_status():
     lines = [f"{BEGIN}0", "partial", f"{END}0 3", f"{BEGIN}1", "cut"]
     assert split_probe_output(lines) == {0: (3, ["partial"]), 1: (None, ["cut"])}
