@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import json
 import shlex
 import zlib
@@ -59,12 +60,35 @@ def _packed(text: str) -> str:
     return base64.b64encode(zlib.compress(text.encode(), 9)).decode()
 
 
-def remote_command(python: str, mode: str, package: str, record_path: str | None, patch_root: str | Path) -> str:
+def memo_path(record_path: str) -> str:
+    """Where the patches operation keeps the check's memo (servestack/patchlib.py says what it is)."""
+    return f"{record_path}.memo"
+
+
+def _memo_reader(memo: str, digest: str) -> str:
+    """Shell that prints the memo's answer when it is for this payload and every input still has
+    the state it had (`stat -L`), and fails otherwise; builtins but for one `stat` and one `cat`."""
+    header = shlex.quote(f"{patchlib.MEMO_HEADER} {digest}")
+    return (
+        f"m={shlex.quote(memo)}; [ -r \"$m\" ] && {{ IFS= read -r l && [ \"$l\" = {header} ] && set -- && s= && ok=1 && "
+        "while IFS= read -r l && [ \"$l\" != R ]; do case $l in "
+        "\"P \"*) set -- \"$@\" \"${l#P }\" ;; "
+        "\"A \"*) if [ -e \"${l#A }\" ] || [ -L \"${l#A }\" ]; then ok=; fi ;; "
+        "\"S \"*) s=\"$s${s:+\n}${l#S }\" ;; "
+        "*) ok= ;; esac; done && [ \"$l\" = R ] && [ -n \"$ok\" ] && [ $# -gt 0 ] && "
+        f"[ \"$(stat -L -c {shlex.quote(patchlib.MEMO_STAT)} -- \"$@\" 2>/dev/null)\" = \"$s\" ] && cat; }} < \"$m\""
+    )
+
+
+def remote_command(python: str, mode: str, package: str, record_path: str | None, patch_root: str | Path,
+                   memo: bool = True) -> str:
     """The shell command running patchlib.remote_main with the environment's python.
 
     `python -I -` reads the script from a quoted heredoc: no local paths or environment
     leak in, and the payload (base64 of zlib-compressed JSON) needs no shell quoting.
-    A missing interpreter prints a sentinel instead of failing the command.
+    A missing interpreter prints a sentinel instead of failing the command. A check with a
+    record path first tries the memo the patches operation kept (see patchlib's memo), unless
+    `memo` is False (verification judges the files themselves).
     """
     payload = {
         "mode": mode,
@@ -73,12 +97,14 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
         "sets": load_patch_sets(package, patch_root),
         "engine": Path(patchlib.__file__).read_text(),
     }
-    blob = _packed(json.dumps(payload))
+    text = json.dumps(payload)
     script = "\n".join(
         [
             f"# servestack patches: {mode} {package}",
-            "import base64, json, sys, types, zlib",
-            f"payload = json.loads(zlib.decompress(base64.b64decode('{blob}')))",
+            "import base64, hashlib, json, sys, types, zlib",
+            f"raw = zlib.decompress(base64.b64decode('{_packed(text)}'))",
+            "payload = json.loads(raw)",
+            "payload['digest'] = hashlib.sha256(raw).hexdigest()",
             "engine = types.ModuleType('servestack_patchlib')",
             "sys.modules[engine.__name__] = engine",
             "exec(compile(payload['engine'], 'servestack/patchlib.py', 'exec'), engine.__dict__)",
@@ -87,10 +113,18 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
     )
     absent = json.dumps({"python": python, "package": package, "installed": False, "python_missing": True})
     py = shlex.quote(python)
-    return (
-        f"if [ -x {py} ]; then {py} -I - <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}\n"
-        f"else echo {shlex.quote(absent)}; fi"
-    )
+    run = f"{py} -I - <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}\n"
+    if mode == "check" and record_path and memo:
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        run = f"if {_memo_reader(memo_path(record_path), digest)}; then :; else {run}fi\n"
+    return f"if [ -x {py} ]; then {run}else echo {shlex.quote(absent)}; fi"
+
+
+def memo_write_command(record_path: str, memo: str) -> str:
+    """Keep the check's memo beside the record (atomically; root's, like the record)."""
+    path = memo_path(record_path)
+    return (f"umask 022 && printf '%s' {shlex.quote(memo)} > {shlex.quote(path + '.tmp')} && "
+            f"mv -f {shlex.quote(path + '.tmp')} {shlex.quote(path)}")
 
 
 class PatchStates(FactBase):

@@ -6,10 +6,11 @@ from pyinfra import host, logger
 from pyinfra.api import OperationError, deploy, operation
 from pyinfra.api.output import format_text
 
-from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, remote_command
+from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, memo_write_command, remote_command
 from facts.probe import FactRequest
 from operations.venv import planned_only, planned_release
 from servestack import patchlib, probe
+from servestack.hostrun import run_remote
 from servestack.settings import host_settings
 
 PACKAGE = "sglang"
@@ -62,6 +63,7 @@ def sglang_patches(python: str, record_path: str | None = None, patch_root: str 
 
     pending = [p for p in patches if p["state"] == "applicable"]
     if not pending and status["record"] == "current":
+        _keep_memo(record_path, status)
         host.noop(f"{PACKAGE} {version} patches: all in place ({_summary(patches)})")
         return
 
@@ -90,6 +92,16 @@ def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what
                    {"site_packages": f"the new release ({python})"})
     yield remote_command(python, "apply", PACKAGE, record_path, patch_root)
     probe.changed(host)
+
+
+def _keep_memo(record_path: str | None, status: dict) -> None:
+    """Keep the check's answer on the host for later converges (bookkeeping, like the lock: not a
+    change; never in a dry run). Only an answer the host's python just gave carries a memo."""
+    if not (record_path and status.get("memo") and host.state.is_executing):
+        return
+    ok, _, stderr = run_remote(host, memo_write_command(record_path, status["memo"]))
+    if not ok:
+        host.log(f"could not keep the patch check's memo beside {record_path}: {' '.join(stderr)}", logger.warning)
 
 
 def _summary(patches: list) -> str:

@@ -406,7 +406,7 @@ def patches_script(settings: Settings, record_path: str | None) -> str:
     """The patches step's own read-only check of the active release's patch set (facts/patches.py)."""
     from facts.patches import PATCH_ROOT, remote_command
 
-    command = remote_command(venv_python(settings), "check", "sglang", record_path, PATCH_ROOT)
+    command = remote_command(venv_python(settings), "check", "sglang", record_path, PATCH_ROOT, memo=False)
     return _PRELUDE + "begin patches\n{\n" + command + "\n} 2>&1\nend patches $?\nexit 0\n"
 
 

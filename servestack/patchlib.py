@@ -514,17 +514,10 @@ def find_distribution(package: str) -> tuple[str, Path] | None:
     as importlib.metadata finds it; read from its .dist-info directly because importing
     importlib.metadata costs ~40 ms on the host on every converge (it imports email, zipfile...).
     Distributions without a .dist-info (old .egg-info) are left to importlib.metadata."""
-    wanted = _normalized(package)
-    for entry in sys.path:
-        try:
-            names = sorted(os.listdir(entry or "."))
-        except OSError:
-            continue
-        for name in names:
-            if name.endswith(".dist-info") and _normalized(name[:-len(".dist-info")].partition("-")[0]) == wanted:
-                version = _metadata_version(Path(entry or ".") / name / "METADATA")
-                if version:
-                    return version, Path(entry or ".").resolve()
+    found = _dist_info(package)
+    if found:
+        version, entry, _ = found
+        return version, entry.resolve()
     import importlib.metadata
     try:
         dist = importlib.metadata.distribution(package)
@@ -533,12 +526,90 @@ def find_distribution(package: str) -> tuple[str, Path] | None:
     return dist.version, Path(dist.locate_file("")).resolve()
 
 
+def _dist_info(package: str) -> tuple[str, Path, Path] | None:
+    """(version, sys.path entry, METADATA path) of the package's first .dist-info on sys.path."""
+    wanted = _normalized(package)
+    for entry in sys.path:
+        try:
+            names = sorted(os.listdir(entry or "."))
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".dist-info") and _normalized(name[:-len(".dist-info")].partition("-")[0]) == wanted:
+                metadata = Path(entry or ".") / name / "METADATA"
+                version = _metadata_version(metadata)
+                if version:
+                    return version, Path(entry or "."), metadata
+    return None
+
+
+# --- the check's memo ----------------------------------------------------------------------
+# A converged host's check gives the same answer on every converge, but costs its python ~100 ms
+# of CPU (start, imports, compiling the engine and the checks). The answer depends only on the
+# payload (engine, sets, mode, paths) and on the files and directories read: the interpreter, the
+# directories searched for the distribution, its METADATA, the target files, the record. The
+# check reports them with their state (inode, size, mtime, ctime, as `stat -L -c MEMO_STAT`
+# prints them); the patches operation keeps that report on the host once the set is in place,
+# and the fact's shell prints the kept answer while `stat` still shows exactly that state
+# (facts/patches.py). Like git's index, an input changed within a second of the check is
+# "racily clean" (its ctime may not tell a later change apart): no memo then.
+
+MEMO_HEADER = "servestack-patches-memo 1"
+MEMO_STAT = "%i %s %.9Y %.9Z %n"
+RACY_NS = 1_000_000_000
+
+
+def memo_inputs(site_packages: Path, metadata: Path, record_path: Path, results: list) -> list:
+    """Every path the check's answer depends on (see above), in a stable order."""
+    inputs = [sys.executable, os.path.join(sys.prefix, "pyvenv.cfg"), *(entry for entry in sys.path if entry)]
+    try:
+        inputs += sorted(str(site_packages / name) for name in os.listdir(site_packages) if name.endswith(".pth"))
+    except OSError:
+        pass
+    inputs.append(str(metadata))
+    inputs += [str(site_packages / f.path) for result in results for f in result.files]
+    inputs.append(str(record_path))
+    return list(dict.fromkeys(inputs))
+
+
+def _stamp(ns: int) -> str:
+    return f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
+
+
+def memo_text(answer: dict, digest: str, inputs: list, started_ns: int) -> str | None:
+    """The memo of `answer`: header, `P path` (present) / `A path` (absent) lines, `S stat` lines,
+    `R`, then the answer; None when an input cannot be kept this way (see above)."""
+    present, absent, stats = [], [], []
+    for path in inputs:
+        if "\n" in path:
+            return None
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if os.path.islink(path):
+                return None
+            absent.append(f"A {path}")
+            continue
+        except OSError:
+            return None
+        if min(st.st_mtime_ns, st.st_ctime_ns) < 0 or max(st.st_mtime_ns, st.st_ctime_ns) >= started_ns - RACY_NS:
+            return None
+        present.append(f"P {path}")
+        stats.append(f"S {st.st_ino} {st.st_size} {_stamp(st.st_mtime_ns)} {_stamp(st.st_ctime_ns)} {path}")
+    if not present:
+        return None
+    return "\n".join([f"{MEMO_HEADER} {digest}", *present, *absent, *stats, "R", json.dumps(answer)]) + "\n"
+
+
 def remote_main(payload: dict) -> int:
     """Run on the host by the environment's python; prints one JSON object.
 
     payload: {"mode": "check"|"apply", "package", "record_path" (or None: sys.prefix),
-              "sets": {version: {"patches": [[name, text], ...], "checks": source|None}}}
+              "sets": {version: {"patches": [[name, text], ...], "checks": source|None}},
+              "digest": sha256 of the payload as sent (added on the host; keys the memo)}
     """
+    import time
+    started_ns = time.time_ns()
     package = payload["package"]
     out = {"python": sys.executable, "package": package, "installed": False}
     found = find_distribution(package)
@@ -573,5 +644,10 @@ def remote_main(payload: dict) -> int:
             record_path=str(record_path),
             record=record_status(record_path, make_record(package, version, results)),
         )
+        if payload["mode"] == "check" and payload.get("digest") and payload["record_path"]:
+            dist = _dist_info(package)  # None: found by importlib.metadata (no .dist-info), no memo
+            if dist and dist[1].resolve() == site_packages:
+                inputs = memo_inputs(site_packages, dist[2], record_path, results)
+                out["memo"] = memo_text(dict(out), payload["digest"], inputs, started_ns)
     print(json.dumps(out))
     return 0

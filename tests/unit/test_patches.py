@@ -18,6 +18,7 @@ import logging
 import re
 import shutil
 import subprocess
+import time
 import venv
 import zipfile
 from pathlib import Path
@@ -32,7 +33,7 @@ from pyinfra.api.operations import run_ops
 from pyinfra.connectors.fake import FakeConnector
 from pyinfra.connectors.util import CommandOutput, OutputLine, make_unix_command
 
-from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, remote_command
+from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, memo_path, memo_write_command, remote_command
 from operations.patches import patches as patches_deploy
 from operations.patches import sglang_patches
 from servestack import patchlib
@@ -366,7 +367,8 @@ def run_locally(monkeypatch, tmp_path):
     fake_lookup = FakeConnector._lookup_response
 
     def lookup(self, command):
-        if "# servestack patches:" not in command or str(tmp_path) not in command:
+        ours = "# servestack patches:" in command or ".memo" in command  # the check, apply, the memo
+        if not ours or str(tmp_path) not in command:
             return fake_lookup(self, command)
         result = sh(command)
         lines = [OutputLine("stdout", line) for line in result.stdout.splitlines()]
@@ -465,6 +467,131 @@ def test_deploy_patches_the_release_the_venv_step_plans(make_env, run_locally, m
     host, meta = host_ops(state)
     assert meta.ops_change == 1
     assert f"if [ -x {env.python} ]" in host.connector.executed_commands[0]
+
+
+# --- the check's memo ---------------------------------------------------------------------
+
+
+def checked(env: Env, patch_root=PATCH_ROOT) -> dict:
+    """The fact as the deploy reads it (with the release's record path): from the memo when it holds,
+    else from the environment's python, whose answer carries a `memo` key."""
+    fact = PatchStates()
+    result = sh(fact.command(python=env.python, record_path=str(env.record), patch_root=str(patch_root)))
+    assert result.returncode == 0, result.stderr
+    return fact.process(result.stdout.splitlines())
+
+
+def applied_and_settled(env: Env) -> dict:
+    """Apply the set, let the racy second pass (see patchlib's memo), keep the memo as the operation
+    does; the check's own answer is returned."""
+    assert sh(remote_command(env.python, "apply", "sglang", str(env.record), PATCH_ROOT)).returncode == 0
+    time.sleep(patchlib.RACY_NS / 1e9 + 0.1)
+    answer = checked(env)
+    assert answer["memo"], "a settled, converged environment gives a memo"
+    assert sh(memo_write_command(str(env.record), answer["memo"])).returncode == 0
+    return answer
+
+
+def without_memo(answer: dict) -> dict:
+    return {key: value for key, value in answer.items() if key != "memo"}
+
+
+def test_a_kept_memo_answers_the_check_without_python_while_nothing_changed(make_env):
+    env = make_env("0.5.9")
+    answer = applied_and_settled(env)
+    again = checked(env)
+    assert "memo" not in again  # the shell printed the kept answer: python did not run
+    assert again == without_memo(answer)
+    assert [p["state"] for p in again["patches"]] == ["applied", "applied"] and again["record"] == "current"
+
+
+def _revert_target(env: Env, pristine) -> None:
+    shutil.copyfile(pristine("0.5.9") / KIMI_K25, env.file(KIMI_K25))
+
+
+def _touch_target(env: Env, pristine) -> None:
+    env.file(TORCH_SYMM_MEM).write_bytes(env.file(TORCH_SYMM_MEM).read_bytes())  # same bytes, new ctime
+
+
+def _rewrite_record(env: Env, pristine) -> None:
+    env.record.write_text(env.record.read_text().replace('"applied"', '"upstream"', 1))
+
+
+def _add_a_pth_file(env: Env, pristine) -> None:
+    (env.site_packages / "elsewhere.pth").write_text("/nonexistent\n")
+
+
+def _reinstall_metadata(env: Env, pristine) -> None:
+    metadata = env.site_packages / "sglang-0.5.9.dist-info" / "METADATA"
+    text = metadata.read_text()
+    metadata.unlink()
+    metadata.write_text(text)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (_revert_target, (["applied", "applicable"], "current")),
+    (_touch_target, (["applied", "applied"], "current")),
+    (_rewrite_record, (["applied", "applied"], "stale")),
+    (_add_a_pth_file, (["applied", "applied"], "current")),
+    (_reinstall_metadata, (["applied", "applied"], "current")),
+])
+def test_any_change_to_what_the_check_read_makes_python_check_again(make_env, pristine, change, expected):
+    env = make_env("0.5.9")
+    applied_and_settled(env)
+    change(env, pristine)
+    again = checked(env)
+    assert "memo" in again  # python ran
+    assert ([p["state"] for p in again["patches"]], again["record"]) == expected
+
+
+def test_a_memo_for_other_patch_sets_or_engine_is_not_used(make_env, tmp_path):
+    env = make_env("0.5.9")
+    applied_and_settled(env)
+    other_root = tmp_path / "patches"
+    shutil.copytree(PATCH_ROOT, other_root)
+    checks_file = other_root / "sglang" / "0.5.9" / "checks.py"
+    checks_file.write_text(checks_file.read_text() + "\n# another servestack version\n")
+    assert "memo" in checked(env, patch_root=other_root)
+
+
+def test_no_memo_for_inputs_changed_within_the_racy_second(tmp_path):
+    target = tmp_path / "target.py"
+    target.write_text("x = 1\n")
+    now = time.time_ns()
+    assert patchlib.memo_text({"a": 1}, "d" * 64, [str(target)], now) is None
+    kept = patchlib.memo_text({"a": 1}, "d" * 64, [str(target), str(tmp_path / "absent")], now + 2 * patchlib.RACY_NS)
+    lines = kept.splitlines()
+    assert lines[0] == f"{patchlib.MEMO_HEADER} {'d' * 64}"
+    assert lines[1:3] == [f"P {target}", f"A {tmp_path / 'absent'}"]
+    stat_line = sh(f"stat -L -c '{patchlib.MEMO_STAT}' {target}").stdout.strip()
+    assert lines[3] == f"S {stat_line}"  # python writes what `stat` prints
+    assert lines[4:] == ["R", json.dumps({"a": 1})]
+
+
+def test_verification_reads_the_files_not_the_memo(make_env):
+    env = make_env("0.5.9")
+    applied_and_settled(env)
+    verify_command = remote_command(env.python, "check", "sglang", str(env.record), PATCH_ROOT, memo=False)
+    assert "memo" in json.loads(sh(verify_command).stdout)
+
+
+def test_the_operation_keeps_the_memo_once_the_set_is_in_place_and_never_in_a_dry_run(make_env, run_locally):
+    env = make_env("0.5.9")
+    state = make_state({})
+    add_op(state, sglang_patches, python=env.python, record_path=str(env.record))
+    run_ops(state)
+    time.sleep(patchlib.RACY_NS / 1e9 + 0.1)
+
+    dry = make_state({})
+    add_op(dry, sglang_patches, python=env.python, record_path=str(env.record))
+    assert not Path(memo_path(str(env.record))).exists()  # prepare (and so --dry) writes nothing
+
+    converged = make_state({})
+    add_op(converged, sglang_patches, python=env.python, record_path=str(env.record))
+    run_ops(converged)
+    assert host_ops(converged)[1].ops_change == 0
+    assert Path(memo_path(str(env.record))).is_file()
+    assert "memo" not in checked(env)
 
 
 def test_the_installed_version_is_found_where_importlib_metadata_finds_it(make_env):
