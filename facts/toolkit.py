@@ -141,9 +141,12 @@ def tree_command(path: str, prefix: str = "tree") -> str:
     return (
         f"if [ -L {p} ]; then printf '%s %s\\n' {prefix}_symlink \"$(readlink {p})\"; fi; "
         f"if [ -d {p} ]; then "
-        f"if [ -z \"$(ls -A {p} 2>/dev/null | head -n 1)\" ]; then echo {prefix}_empty; else echo {prefix}_exists; fi; "
+        # emptiness and the nvcc lines with shell builtins: this runs on every converge, several times
+        f"e={prefix}_empty; for f in {p}/* {p}/.[!.]* {p}/..?*; do "
+        "if [ -e \"$f\" ] || [ -L \"$f\" ]; then e=" + prefix + "_exists; break; fi; done; echo \"$e\"; "
         f"if [ -e {p}/bin/nvcc ]; then out=$({p}/bin/nvcc --version 2>&1); "
-        f"echo \"{prefix}_nvcc_exit $?\"; printf '%s\\n' \"$out\" | sed 's/^/{prefix}_nvcc /'; fi; "
+        f"echo \"{prefix}_nvcc_exit $?\"; printf '%s\\n' \"$out\" | "
+        f"while IFS= read -r l; do printf '%s %s\\n' {prefix}_nvcc \"$l\"; done; fi; "
         f"if [ -f {p}/version.json ]; then printf '%s %s\\n' {prefix}_version_json \"$(tr -d '\\n' < {p}/version.json)\"; "
         f"elif command -v dpkg >/dev/null 2>&1; then "
         f"dpkg -S {p}/bin/nvcc 2>/dev/null | head -n 1 | sed 's/^/{prefix}_dpkg /'; fi; "

@@ -184,16 +184,21 @@ def kept_toolkit_paths(settings: Settings) -> tuple[str, ...]:
 _SECRET_SCAN = r"""awk -v F="$1" 'BEGIN { while ((getline l < F) > 0) { if (l ~ /^[ \t]*#/) continue; i = index(l, "="); if (i == 0) continue; v = substr(l, i + 1); gsub(/^"|"$/, "", v); if (length(v) >= 4) vals[v] = 1 } } { for (v in vals) if (index($0, v)) { n++; break } } END { print n + 0 }'"""
 
 _PACKAGE_OWNER = (
-    "n=$1; p=$(dpkg -S \"$n\" 2>/dev/null | head -n1 | cut -d: -f1); "
+    "n=$1; p=$(dpkg -S \"$n\" 2>/dev/null); p=${p%%\"\n\"*}; p=${p%%:*}; "  # the first line's package
     "[ -n \"$p\" ] && dpkg-query -W -f='dpkg ${Package} ${Version}\\n' \"$p\" && "
     # the toolkit's release is the version of its meta packages (cuda-nvcc is 13.0.88 in 13.0.1 and 13.0.2)
     "dpkg-query -W -f='${db:Status-Abbrev} ${Package} ${Version}\\n' cuda-toolkit-${p#cuda-nvcc-} "
     "cuda-compiler-${p#cuda-nvcc-} 2>/dev/null | sed -n 's/^ii *\\(.*\\)/dpkg-release \\1/p'; "
-    "rpm -qf --qf 'rpm %{NAME} %{VERSION}-%{RELEASE}\\n' \"$n\" 2>/dev/null | grep '^rpm '; "
+    "if command -v rpm >/dev/null 2>&1; then rpm -qf --qf 'rpm %{NAME} %{VERSION}-%{RELEASE}\\n' \"$n\" 2>/dev/null | "
+    "grep '^rpm '; fi; "
     # A toolkit assembled from NVIDIA's pip wheels keeps their dist-info beside bin/.
     "for d in \"${n%/bin/nvcc}\"/dist-info/nvidia_cuda_nvcc-*.dist-info; do [ -d \"$d\" ] || continue; "
     "v=${d##*/nvidia_cuda_nvcc-}; echo \"wheel nvidia-cuda-nvcc ${v%.dist-info}\"; done; true"
 )
+
+
+# `d` = dirname of the absolute path `r` (readlink -f's answer), without starting dirname.
+_PARENT = 'd=${r%/*}; d=${d:-/}'
 
 
 def _service_sections(settings: Settings) -> list[str]:
@@ -244,13 +249,13 @@ def host_script(settings: Settings, gpu_output: tuple[str, ...] | None = None) -
         *[_section(f"kept_{index}", fingerprint_command(path))
           for index, path in enumerate(kept_toolkit_paths(settings))],
         _section("release", f"test -d {venv} || exit 3; r=$(readlink -f {venv}); printf 'venv\\t%s\\n' \"$r\"; "
-                            f"for f in {records}; do if [ -f \"$(dirname \"$r\")/$f\" ]; then "
-                            "printf 'record\\t%s\\n' \"$(dirname \"$r\")/$f\"; fi; done"),
+                            f"{_PARENT}; for f in {records}; do if [ -f \"$d/$f\" ]; then "
+                            "printf 'record\\t%s\\n' \"$d/$f\"; fi; done"),
         # What a release's checks depend on beyond its path: its records' contents and when a package
         # was last added to or removed from its site-packages (operations/verify.py reuses results so).
         _section("release_state", f"test -d {venv} || exit 3; r=$(readlink -f {venv}); "
                                   "stat -c '%n %Y' \"$r\"/lib/python3*/site-packages; "
-                                  f"cd \"$(dirname \"$r\")\" && for f in {records}; do "
+                                  f"{_PARENT}; cd \"$d\" && for f in {records}; do "
                                   "if [ -f \"$f\" ]; then sha256sum \"$f\"; fi; done; true"),
         *_service_sections(settings),
         "exit 0\n",

@@ -8,6 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from facts.toolkit import (
     CudaToolkits,
     Fingerprint,
@@ -120,6 +122,21 @@ def test_toolkits_fact_on_an_empty_dir_and_a_broken_nvcc(tmp_path):
     install = toolkits(tmp_path).install
     assert install.exists and not install.empty
     assert install.nvcc is None and "failed" in install.nvcc_error
+
+
+@pytest.mark.parametrize("entry", [".hidden", "..dots", "-dash", "dangling-link", "sub/"])
+def test_a_tree_holding_any_single_entry_is_not_empty_as_ls_A_says(tmp_path, entry):
+    tree = tmp_path / "usr/local/cuda-13.0"
+    tree.mkdir(parents=True)
+    if entry == "dangling-link":
+        (tree / entry).symlink_to(tmp_path / "nowhere")
+    elif entry.endswith("/"):
+        (tree / entry).mkdir()
+    else:
+        (tree / entry).write_text("")
+    assert subprocess.run(["ls", "-A", str(tree)], capture_output=True, text=True).stdout.strip()
+    install = toolkits(tmp_path).install
+    assert install.exists and not install.empty
 
 
 def test_link_chain_through_alternatives_like_the_real_host(tmp_path):
