@@ -197,11 +197,15 @@ def encode(params: dict) -> str:
 
 
 def tool_command(python: str, command: str, params: dict) -> str:
-    """`python - <command> <params>` with the host tool on stdin (one SSH round trip, no upload)."""
+    """`python -I -S - <command> <params>` with the host tool on stdin (one SSH round trip, no upload).
+
+    The tool is stdlib only: -S skips importing site (a cost on every converge), -I ignores PYTHON*
+    variables and the user's site-packages.
+    """
     script = TOOL.read_text()
     if HEREDOC in script:
         raise AssertionError(f"{TOOL} must not contain {HEREDOC}")
-    return f"{python} - {command} {encode(params)} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
+    return f"{python} -I -S - {command} {encode(params)} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
 
 
 def guarded_tool_command(python: str, command: str, params: dict) -> str:

@@ -1,8 +1,9 @@
 """servestack's host-side tool for the ML environment (runs on the target host, stdlib only).
 
-The control machine (operations/venv.py) sends this file over SSH as `python3 - <command> <params>`
-(params: base64 of a JSON object) and decides *whether* to run it from facts; this file does the
-mechanical part on the host, where renames are atomic and JSON records are written safely:
+The control machine (operations/venv.py) sends this file over SSH as
+`python3 -I -S - <command> <params>` (params: base64 of a JSON object) and decides *whether* to run
+it from facts; this file does the mechanical part on the host, where renames are atomic and JSON
+records are written safely:
 
     state     print one JSON object describing the environment (the fact; changes nothing)
     backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
@@ -14,18 +15,12 @@ mechanical part on the host, where renames are atomic and JSON records are writt
 Every failure prints one line starting with "servestack:" to stderr and exits non-zero.
 """
 
-import base64
-import datetime
-import hashlib
+# Other imports are local to the functions that need them: `state` runs on every converge.
+import binascii  # a builtin module; base64 would import re and struct on top of it
 import json
 import os
-import platform
-import re
-import shutil
-import subprocess
+import re  # free once json is imported
 import sys
-import time
-from urllib.parse import urlsplit
 
 RECORD = "release.json"
 HISTORY = "releases.json"
@@ -48,6 +43,7 @@ class Failure(Exception):
 
 
 def utc_stamp():
+    import datetime
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
@@ -76,6 +72,7 @@ def canonical(name):
 
 def env_packages(venv):
     """The packages, Python version and prefix of a venv, by running its own python (pip or not)."""
+    import subprocess
     python = os.path.join(venv, "bin", "python")
     try:
         result = subprocess.run([python, "-c", LIST_PACKAGES], capture_output=True, text=True, timeout=120)
@@ -140,12 +137,54 @@ def backups(state_dir):
 
 
 def uv_version(uv):
+    output = spawn_output([uv, "--version"], timeout=30)
+    parts = output.split() if output is not None else []
+    return parts[1] if len(parts) >= 2 else None
+
+
+def spawn_output(argv, timeout):
+    """The stdout of `argv` (stderr dropped), or None if it cannot start, fails or outlives `timeout` s.
+
+    posix_spawn instead of subprocess, whose import costs more than running `uv --version`.
+    """
+    read_end, write_end = os.pipe()
     try:
-        result = subprocess.run([uv, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[
+            (os.POSIX_SPAWN_DUP2, write_end, 1), (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
+    except OSError:
+        os.close(read_end)
         return None
-    parts = result.stdout.split()
-    return parts[1] if result.returncode == 0 and len(parts) >= 2 else None
+    finally:
+        os.close(write_end)
+    try:
+        output = read_until_eof(read_end, timeout)
+    finally:
+        os.close(read_end)
+    if output is None:
+        os.kill(pid, 9)  # SIGKILL, as subprocess does on a timeout
+    status = os.waitpid(pid, 0)[1]
+    return output.decode(errors="replace") if output is not None and status == 0 else None
+
+
+def read_until_eof(fd, timeout):
+    """Everything read from `fd` until end of file, or None when that takes over `timeout` seconds."""
+    import select
+    import time
+    deadline, chunks = time.monotonic() + timeout, []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def python_version(sys_version):
+    """platform.python_version() without importing platform: sys.version's first word, as x.y.z."""
+    version = re.match(r"[\w.+]+", sys_version, re.ASCII).group()
+    return version + ".0" if version.count(".") == 1 else version
 
 
 def command_state(params):
@@ -156,8 +195,8 @@ def command_state(params):
     names = backups(state_dir)
     latest = read_json(os.path.join(state_dir, "backups", names[-1])) if names else None
     return {
-        "python": {"version": platform.python_version(), "executable": sys.executable},
-        "machine": platform.machine(),
+        "python": {"version": python_version(sys.version), "executable": sys.executable},
+        "machine": os.uname().machine,  # what platform.machine() reports
         "venv_path": where,
         "active": active,
         "releases": releases(releases_dir),
@@ -299,6 +338,8 @@ def step_files(entries, steps):
 
 
 def run(command, log, env, cwd=None, what=None):
+    import subprocess
+    import time
     log.write("$ %s\n" % " ".join(command))
     log.flush()
     started = time.monotonic()
@@ -327,6 +368,7 @@ def uv_environment(params):
 
 def check_release(python, params, log):
     """Run the release's checks inside its own python; raise Failure listing every problem."""
+    import subprocess
     check = os.path.join(params["release_dir"], "check.py")
     with open(check, "w") as handle:
         handle.write(params["check_script"])
@@ -341,6 +383,7 @@ def check_release(python, params, log):
 
 def install_uv(params, log):
     """Install the pinned uv into its own venv with the host's python3 and pip (if missing/wrong)."""
+    from urllib.parse import urlsplit
     uv = params["uv"]
     if uv_version(uv) == params["uv_version"]:
         return
@@ -394,6 +437,9 @@ def build(params, log):
 
 
 def command_build(params):
+    import hashlib
+    import shutil
+    import time
     directory = params["release_dir"]
     record_path = os.path.join(directory, RECORD)
     record = read_json(record_path, {}) or {}
@@ -446,6 +492,7 @@ def adopt(venv_path, releases_dir, kind, name):
     A venv's scripts name venv_path in their shebangs, and renaming a venv breaks them; after the
     move venv_path is a link to the moved tree, so those scripts keep working whenever it is active.
     """
+    import shutil
     directory = os.path.join(releases_dir, name)
     listed = env_packages(venv_path)
     os.makedirs(directory, mode=0o755)
@@ -497,6 +544,7 @@ def command_activate(params):
 
 
 def command_prune(params):
+    import shutil
     releases_dir, removed = params["releases_dir"], []
     active = os.path.realpath(params["venv_path"])
     for release in params["remove"]:
@@ -519,7 +567,7 @@ def main(argv):
     if len(argv) != 3 or argv[1] not in COMMANDS:
         sys.stderr.write("usage: ml_env.py {%s} BASE64_JSON\n" % ",".join(COMMANDS))
         return 2
-    params = json.loads(base64.b64decode(argv[2]).decode())
+    params = json.loads(binascii.a2b_base64(argv[2]).decode())
     os.umask(0o022)
     try:
         result = COMMANDS[argv[1]](params)

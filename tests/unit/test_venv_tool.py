@@ -10,9 +10,11 @@ import dataclasses
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +134,69 @@ def test_state_of_an_empty_host(host):
 def test_state_calls_a_plain_directory_other(host):
     os.makedirs(host["venv_path"])
     assert run_tool("state", host)[1]["venv_path"]["kind"] == "other"
+
+
+def fake_uv(path, body):
+    """An executable shell script standing in for uv at `path`."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(path):
+        os.remove(path)
+    Path(path).write_text("#!/bin/sh\n" + body + "\n")
+    os.chmod(path, 0o755)
+    return str(path)
+
+
+def test_state_imports_only_what_it_needs(host, tmp_path):
+    """`state` runs on every converge: subprocess, platform & co. would cost more than its work."""
+    params = {**host, "packages": False, "uv": fake_uv(tmp_path / "bin" / "uv", "echo 'uv 0.13.9 (abc 2026-01-01)'")}
+    argv = [sys.executable, "-I", "-S", "-X", "importtime", "-", "state", encode(params)]
+    result = subprocess.run(argv, input=TOOL.read_text(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["uv"] == "0.13.9"
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    costly = {"subprocess", "shutil", "hashlib", "datetime", "base64", "platform", "urllib", "urllib.parse",
+              "pathlib", "dataclasses", "uuid", "struct"}
+    assert imported & costly == set()
+
+
+def test_state_reports_python_and_machine_as_platform_does(host):
+    code, state, _ = run_tool("state", host)
+    assert (code, state["python"]["version"], state["machine"]) == (0, platform.python_version(), platform.machine())
+
+
+@pytest.mark.parametrize("sys_version", [
+    "3.11.2 (main, Mar 13 2023, 12:18:29) [GCC 12.2.0]",
+    "3.13.0rc1 (main, Aug  1 2024, 00:00:00) [GCC 13.2.0]",
+    "3.14.0a1+ (heads/main:0123abc, Oct  1 2024, 10:00:00) [Clang 16.0.0 ]",
+    "3.12 (default, Jan  1 2024, 00:00:00) [GCC 13.2.0]",
+    "3.9.18 (main, Sep 11 2023, 13:41:44) \n[GCC 11.2.0]",
+    "3.10.13 (f1607341da97, Oct 06 2023, 00:00:00)\n[PyPy 7.3.13 with GCC 10.2.1 20210130 (Red Hat 10.2.1-11)]",
+])
+def test_python_version_is_what_platform_derives_from_sys_version(sys_version):
+    assert ml_env.python_version(sys_version) == platform._sys_version(sys_version)[1]
+
+
+@pytest.mark.parametrize("body, version", [
+    ("echo 'uv 0.13.9 (abc 2026-01-01)'; echo noise >&2", "0.13.9"),
+    ("echo 'uv 0.13.9'; exit 1", None),
+    ("echo uv", None),
+    ("exit 0", None),
+])
+def test_uv_version_reads_the_second_word_of_a_successful_run(tmp_path, body, version):
+    assert ml_env.uv_version(fake_uv(tmp_path / "uv", body)) == version
+
+
+def test_uv_version_is_none_when_uv_cannot_run(tmp_path):
+    not_executable = tmp_path / "plain-file"
+    not_executable.write_text("uv 0.13.9\n")
+    for uv in (tmp_path / "missing", tmp_path, not_executable):
+        assert ml_env.uv_version(str(uv)) is None
+
+
+def test_a_command_that_outlives_its_timeout_gives_nothing(tmp_path):
+    started = time.monotonic()
+    assert ml_env.spawn_output([fake_uv(tmp_path / "uv", "echo uv 1.0; exec sleep 30")], timeout=0.3) is None
+    assert time.monotonic() - started < 10
 
 
 def test_backup_without_environment_writes_nothing(host):

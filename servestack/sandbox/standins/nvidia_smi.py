@@ -15,7 +15,7 @@ shared/fixtures/h200-ubuntu2404/) for the options the deploy and its tests use:
 from __future__ import annotations
 
 import hashlib
-import json
+import pprint
 import uuid
 from dataclasses import asdict, dataclass, field
 
@@ -74,19 +74,20 @@ def render_nvidia_smi(gpu: Gpu | None = None) -> str:
     gpu = gpu or Gpu()
     config = asdict(gpu)
     config["gpus"] = [{"bus_id": gpu.bus_id(i), "uuid": gpu.uuid(i)} for i in range(gpu.count)]
-    return _SCRIPT.replace("@CONFIG@", json.dumps(config, indent=1, sort_keys=True))
+    # A Python literal, not JSON: the script then needs no json import (it runs on every fact call).
+    return _SCRIPT.replace("@CONFIG@", pprint.pformat(config, width=100, sort_dicts=True))
 
 
-_SCRIPT = r'''#!/usr/bin/python3
+# -IS (one word: the kernel passes everything after the interpreter as one argument): no site,
+# no PYTHON* variables; with imports only where used, a call costs about what the real tool does.
+_SCRIPT = r'''#!/usr/bin/python3 -IS
 # STAND-IN for NVIDIA's nvidia-smi (servestack sandbox): no GPU here.
 # Written by servestack.sandbox.standins.nvidia_smi. It talks to no driver: it prints the real
 # output formats with the fixed values below, for: (no options), -L, --version, -i/--id=,
 # --query-gpu=... --format=csv[,noheader][,nounits].
-import json
 import sys
-import time
 
-CONFIG = json.loads(r"""@CONFIG@""")
+CONFIG = @CONFIG@
 
 # query field (and its aliases) -> (header unit, value of GPU i)
 FIELDS = {
@@ -177,6 +178,7 @@ def short_name(name):
 
 
 def table(gpus):
+    import time
     c = CONFIG
     print(time.asctime() + "       ")
     print("+" + "-" * 89 + "+")
