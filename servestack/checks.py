@@ -208,7 +208,7 @@ def _service_sections(settings: Settings) -> list[str]:
     secret_names = "|".join(settings.service_secret_env)
     drop_secrets = f" | grep -Ev {_q('^(' + secret_names + ')=')}" if secret_names else ""
     name_pattern = _q("(^|[ =" + chr(34) + "])(" + secret_names + ")=")
-    count_names = (f"$(systemctl cat -- {unit} 2>/dev/null | grep -cE {name_pattern})" if secret_names else "0")
+    count_names = (f"$(printf '%s\\n' \"$u\" | grep -cE {name_pattern})" if secret_names else "0")
     return [
         _section("systemd", "test -d /run/systemd/system && echo running || echo 'not running'"),
         _section("service", f"systemctl show --property={','.join(UNIT_PROPERTIES)} -- {unit}"),
@@ -217,12 +217,12 @@ def _service_sections(settings: Settings) -> list[str]:
                  "[ -n \"$pid\" ] && [ \"$pid\" != 0 ] || exit 3; "
                  "printf 'user\\t%s\\n' \"$(stat -c %U /proc/$pid)\"; "
                  f"tr '\\0' '\\n' < /proc/$pid/environ | grep -E {keep_env}{drop_secrets} | "
-                 "sed 's/^/env\t/'"),
+                 "while IFS= read -r l; do printf 'env\\t%s\\n' \"$l\"; done"),
         _section("unit_secrets",
                  f"set -- {_q(secrets_file(settings))}; "
-                 f"systemctl cat -- {unit} > /dev/null 2>&1 || exit 3; "
+                 f"u=$(systemctl cat -- {unit} 2>/dev/null) || exit 3; "  # the unit as systemd reads it, once
                  f"printf 'names\\t%s\\n' \"{count_names}\"; "
-                 f"if [ -r \"$1\" ]; then printf 'values\\t%s\\n' \"$(systemctl cat -- {unit} 2>/dev/null | "
+                 f"if [ -r \"$1\" ]; then printf 'values\\t%s\\n' \"$(printf '%s\\n' \"$u\" | "
                  f"{_SECRET_SCAN})\"; fi"),
         _section("secrets_file", f"stat -c '%a %U %G' {_q(secrets_file(settings))} 2>/dev/null || echo absent"),
     ]
