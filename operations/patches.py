@@ -10,7 +10,7 @@ from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, memo_write_c
 from facts.probe import FactRequest
 from operations.venv import planned_only, planned_release
 from servestack import patchlib, probe
-from servestack.hostrun import run_remote
+from servestack.hostrun import keep
 from servestack.settings import host_settings
 
 PACKAGE = "sglang"
@@ -97,11 +97,8 @@ def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what
 def _keep_memo(record_path: str | None, status: dict) -> None:
     """Keep the check's answer on the host for later converges (bookkeeping, like the lock: not a
     change; never in a dry run). Only an answer the host's python just gave carries a memo."""
-    if not (record_path and status.get("memo") and host.state.is_executing):
-        return
-    ok, _, stderr = run_remote(host, memo_write_command(record_path, status["memo"]))
-    if not ok:
-        host.log(f"could not keep the patch check's memo beside {record_path}: {' '.join(stderr)}", logger.warning)
+    if record_path and status.get("memo") and host.state.is_executing:
+        keep(host, memo_write_command(record_path, status["memo"]), f"the patch check's memo beside {record_path}")
 
 
 def _summary(patches: list) -> str:

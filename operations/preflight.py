@@ -44,10 +44,12 @@ from servestack import probe
 from servestack.hostrun import (
     controller_id,
     is_executing,
+    kept_with_release,
     noop,
     refusal,
     refuse_now,
     release_lock_on_failure,
+    report_kept,
     run_id,
     run_remote,
     run_started,
@@ -351,7 +353,9 @@ def lock_released():
     if not is_executing(host):
         noop(host, "the lock is released at the end of the run")
         return
-    ok, stdout, stderr = run_remote(host, release_lock_command(settings.servestack_state_dir, run_id(host.state)))
+    command, kept = kept_with_release(host, release_lock_command(settings.servestack_state_dir, run_id(host.state)))
+    ok, stdout, stderr = run_remote(host, command)
+    report_kept(host, stdout, stderr, kept)
     if not ok:
         host.log(f"could not release {lock_path(settings.servestack_state_dir)}: {' '.join(stderr)}")
     noop(host, "lock released" if "released" in stdout else "lock was not held by this run")

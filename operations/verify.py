@@ -35,7 +35,7 @@ from facts.verify import ProbeScript, VerificationProbe, VerificationRecord
 from operations.preflight import preflight_fact_arguments
 from servestack import checks
 from servestack import probe as host_probe
-from servestack.hostrun import run_remote
+from servestack.hostrun import keep
 from servestack.settings import Settings, host_settings
 
 # The deploy's subset: every check but the real /generate request, which the service step's
@@ -213,10 +213,7 @@ def checks_pass(names: tuple[str, ...] = DEPLOY_CHECKS):
         return
     if heavy and settings.verify_reuse and not reused:
         ran = [outcome for outcome in judged if _base_name(outcome) in {check.name for check in heavy}]
-        ok, _, stderr = run_remote(host, record_command(settings, key, heavy, ran))
-        if not ok:
-            host.log(f"could not record the verification in {record_path(settings)}: {' '.join(stderr)}",
-                     logger.warning)
+        keep(host, record_command(settings, key, heavy, ran), f"the verification record {record_path(settings)}")
     host.noop(_summary(outcomes, reused, record))
 
 

@@ -7,7 +7,8 @@ Helpers shared by the preflight and toolkit operations (control-machine side):
 - `refuse_now` (prepare: fail the host before anything runs) and `refusal` (execute: a command
   that fails the host with its reasons), each reason one line naming the host;
 - `run_remote`: run a command with the current operation's connection arguments (sudo, ...);
-- `release_lock_on_failure`: a state callback releasing this run's lock on a host that fails.
+- `release_lock_on_failure`: a state callback releasing this run's lock on a host that fails;
+- `keep` / `kept_with_release`: bookkeeping writes (records, memos) that ride with the lock's release.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from facts.host import release_lock_command
 
 _RUNS: "WeakKeyDictionary" = WeakKeyDictionary()
 _LOCKED: "WeakKeyDictionary" = WeakKeyDictionary()   # state -> {host name: state dir}
+_KEPT: "WeakKeyDictionary" = WeakKeyDictionary()     # state -> {host name: [(what, command)]}
+KEPT_FAILED = "servestack-kept-failed"
 
 
 def utc_stamp() -> str:
@@ -142,3 +145,36 @@ def release_lock_on_failure(host, state_dir: str) -> None:
         _LOCKED[state] = {}
         state.add_callback_handler(_ReleaseLockOnFailure())
     _LOCKED[state][host.name] = state_dir
+
+
+def keep(host, command: str, what: str) -> None:
+    """Write bookkeeping on the host (a record or memo of what this run saw: not a change).
+
+    While this run holds the host's lock, the command rides with the lock's release, the run's last
+    remote command, instead of costing a round trip of its own (`kept_with_release`); if the host
+    fails first, it is not written and a later run makes it again. Without the lock (an operation
+    run on its own) it runs now."""
+    state = host.state
+    if host.name not in _LOCKED.get(state, {}):
+        ok, _, stderr = run_remote(host, command)
+        if not ok:
+            host.log(f"could not write {what}: {' '.join(stderr)}", logger.warning)
+        return
+    _KEPT.setdefault(state, {}).setdefault(host.name, []).append((what, command))
+
+
+def kept_with_release(host, release_command: str) -> tuple[str, list[str]]:
+    """The lock release preceded by the bookkeeping `keep` queued for this host (each in its own
+    subshell: one that fails prints `KEPT_FAILED <index>` and the lock is released all the same),
+    and what each queued write is, by index."""
+    kept = _KEPT.get(host.state, {}).pop(host.name, [])
+    writes = [f"( {command}\n) || echo '{KEPT_FAILED} {index}'\n" for index, (_, command) in enumerate(kept)]
+    return "".join(writes) + release_command, [what for what, _ in kept]
+
+
+def report_kept(host, stdout: list[str], stderr: list[str], whats: list[str]) -> None:
+    """Warn about each queued bookkeeping write that failed (see `kept_with_release`)."""
+    for line in stdout:
+        if line.startswith(KEPT_FAILED + " "):
+            index = int(line.split()[1])
+            host.log(f"could not write {whats[index]}: {' '.join(stderr)}", logger.warning)
