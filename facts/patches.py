@@ -2,9 +2,9 @@
 
 Patch sets live in files/patches/<package>/<version>/: NNNN-name.patch files (applied
 in name order) and an optional checks.py (see files/patches/sglang/0.5.9/checks.py).
-The fact ships servestack/patchlib.py, every set of the package and the mode to the
-environment's python as an inline script; the script reads the installed version, picks
-that version's set and prints one JSON object (see patchlib.remote_main).
+The fact ships servestack/patchlib.py (with servestack/memo.py, which it imports), every set of
+the package and the mode to the environment's python as an inline script; the script reads the
+installed version, picks that version's set and prints one JSON object (see patchlib.remote_main).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pyinfra.api import FactBase
 
+from servestack import memo as memos
 from servestack import patchlib
 
 PATCH_ROOT = Path(__file__).resolve().parent.parent / "files" / "patches"
@@ -65,21 +66,6 @@ def memo_path(record_path: str) -> str:
     return f"{record_path}.memo"
 
 
-def _memo_reader(memo: str, digest: str) -> str:
-    """Shell that prints the memo's answer when it is for this payload and every input still has
-    the state it had (`stat -L`), and fails otherwise; builtins but for one `stat` and one `cat`."""
-    header = shlex.quote(f"{patchlib.MEMO_HEADER} {digest}")
-    return (
-        f"m={shlex.quote(memo)}; [ -r \"$m\" ] && {{ IFS= read -r l && [ \"$l\" = {header} ] && set -- && s= && ok=1 && "
-        "while IFS= read -r l && [ \"$l\" != R ]; do case $l in "
-        "\"P \"*) set -- \"$@\" \"${l#P }\" ;; "
-        "\"A \"*) if [ -e \"${l#A }\" ] || [ -L \"${l#A }\" ]; then ok=; fi ;; "
-        "\"S \"*) s=\"$s${s:+\n}${l#S }\" ;; "
-        "*) ok= ;; esac; done && [ \"$l\" = R ] && [ -n \"$ok\" ] && [ $# -gt 0 ] && "
-        f"[ \"$(stat -L -c {shlex.quote(patchlib.MEMO_STAT)} -- \"$@\" 2>/dev/null)\" = \"$s\" ] && cat; }} < \"$m\""
-    )
-
-
 def remote_command(python: str, mode: str, package: str, record_path: str | None, patch_root: str | Path,
                    memo: bool = True) -> str:
     """The shell command running patchlib.remote_main with the environment's python.
@@ -96,6 +82,7 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
         "record_path": record_path,
         "sets": load_patch_sets(package, patch_root),
         "engine": Path(patchlib.__file__).read_text(),
+        "memo": memos.source(),
     }
     text = json.dumps(payload)
     script = "\n".join(
@@ -105,6 +92,11 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
             f"raw = zlib.decompress(base64.b64decode('{_packed(text)}'))",
             "payload = json.loads(raw)",
             "payload['digest'] = hashlib.sha256(raw).hexdigest()",
+            "memo = types.ModuleType('servestack.memo')",  # what the engine imports, from the payload
+            "exec(compile(payload['memo'], 'servestack/memo.py', 'exec'), memo.__dict__)",
+            "package = types.ModuleType('servestack')",
+            "package.__path__, package.memo = [], memo",
+            "sys.modules.update({'servestack': package, 'servestack.memo': memo})",
             "engine = types.ModuleType('servestack_patchlib')",
             "sys.modules[engine.__name__] = engine",
             "exec(compile(payload['engine'], 'servestack/patchlib.py', 'exec'), engine.__dict__)",
@@ -116,15 +108,14 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
     run = f"{py} -I - <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}\n"
     if mode == "check" and record_path and memo:
         digest = hashlib.sha256(text.encode()).hexdigest()
-        run = f"if {_memo_reader(memo_path(record_path), digest)}; then :; else {run}fi\n"
+        reader = memos.reader(memo_path(record_path), f"{patchlib.MEMO_HEADER} {digest}")
+        run = f"if {reader}; then :; else {run}fi\n"
     return f"if [ -x {py} ]; then {run}else echo {shlex.quote(absent)}; fi"
 
 
 def memo_write_command(record_path: str, memo: str) -> str:
-    """Keep the check's memo beside the record (atomically; root's, like the record)."""
-    path = memo_path(record_path)
-    return (f"umask 022 && printf '%s' {shlex.quote(memo)} > {shlex.quote(path + '.tmp')} && "
-            f"mv -f {shlex.quote(path + '.tmp')} {shlex.quote(path)}")
+    """Keep the check's memo beside the record (root's, like the record; see servestack/memo.py)."""
+    return memos.write_command(memo_path(record_path), memo)
 
 
 class PatchStates(FactBase):

@@ -37,16 +37,23 @@ from pyinfra.api import deploy, operation
 from pyinfra.api.exceptions import OperationError
 
 from facts.probe import FactRequest
-from facts.venv import MlEnvState
+from facts.venv import MlEnvState, memo_write_command
 from operations.releases import (
     CHECK, NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
     release_plan, releases_to_prune, rollback_target, tool_command,
 )
 from servestack import probe
+from servestack.hostrun import keep
 from servestack.settings import host_settings, real_host
 
 # The release each host's run leaves active, set while deploy.py / rollback.py are prepared.
 _PLANNED: "WeakKeyDictionary[object, Release]" = WeakKeyDictionary()
+# state -> names of the hosts where this run kept the state's memo or changed the environment
+# (either way it keeps no other memo there; see `_keep_state_memo`).
+_MEMO_SETTLED: "WeakKeyDictionary[object, set]" = WeakKeyDictionary()
+# The memo rides in the lock's release, one `sh -c` argument (at most 128 KiB on Linux, with the
+# other bookkeeping): a state with very many releases is read by python instead.
+MEMO_MAX_CHARS = 48 * 1024
 
 
 # --- reading the host ---------------------------------------------------------------------------
@@ -80,7 +87,39 @@ def env_state(settings, packages: bool = False) -> dict:
     if state is None:
         raise OperationError(f"host {host.name}: '{settings.venv_python}' (venv_python) is not on the "
                              "host's PATH; servestack needs it to build the ML environment")
+    state.pop("memo", None)  # bookkeeping, not the environment (see `_keep_state_memo`)
     return state
+
+
+def _keep_state_memo(settings) -> None:
+    """Keep the state's memo on the host for later converges (facts/venv.py): bookkeeping like the
+    lock, not a change; never in a dry run. Only an answer the host's python gave carries one: read
+    at execute, or at prepare under `pyinfra -y` (execute starts from prepare's reads), so it is
+    kept from the operation code execute runs. Once per run, and not once a venv operation changed
+    this host in this run (what was read before may be gone); the write itself drops a memo whose
+    paths changed after it was read (servestack/memo.py `write_command`)."""
+    if not host.state.is_executing:
+        return
+    settled = _MEMO_SETTLED.setdefault(host.state, set())
+    if host.name in settled:
+        return
+    text = (probe.cached(host, MlEnvState, **mlenv_fact_arguments(settings)) or {}).get("memo")
+    if text and len(text) <= MEMO_MAX_CHARS:
+        settled.add(host.name)
+        keep(host, memo_write_command(settings.servestack_state_dir, text),
+             f"the ML environment state's memo in {settings.servestack_state_dir}")
+
+
+def _changing() -> None:
+    """Before an operation yields a change to the environment: no memo is kept on this host in this run."""
+    if host.state.is_executing:
+        _MEMO_SETTLED.setdefault(host.state, set()).add(host.name)
+
+
+def _unchanged(settings, message: str) -> None:
+    """An operation that leaves the environment as it is: pyinfra's noop, and the memo kept."""
+    host.noop(message)
+    _keep_state_memo(settings)
 
 
 def plan(settings, state: dict) -> ReleasePlan:
@@ -165,13 +204,14 @@ def backup_env(target: str, reason: str = "before change"):
     state = env_state(settings)
     where = state["venv_path"]
     if not _environment_changes(state, target):
-        host.noop(f"{settings.venv_path} is {'already ' + target if where['release'] == target else where['kind']}: "
-                  "nothing to back up")
+        _unchanged(settings, f"{settings.venv_path} is "
+                   f"{'already ' + target if where['release'] == target else where['kind']}: nothing to back up")
         return
     state = env_state(settings, packages=True)
     if _same_as_latest_backup(state):
-        host.noop(f"backup {state['backups'][-1]} already records {settings.venv_path}")
+        _unchanged(settings, f"backup {state['backups'][-1]} already records {settings.venv_path}")
         return
+    _changing()
     yield tool_command(settings.venv_python, "backup",
                        _params(settings, keep=settings.venv_keep_backups, reason=reason))
     probe.changed(host, MlEnvState)
@@ -193,7 +233,7 @@ def build_release():
     release = plan(settings, state)
     record = state["releases"].get(release.id) or {}
     if record.get("status") == "ok" and record.get("has_venv"):
-        host.noop(f"release {release.id} is built and checked")
+        _unchanged(settings, f"release {release.id} is built and checked")
         return
     if record:
         host.log(f"Rebuilding release {release.id} (it was left {record.get('status')}: "
@@ -204,6 +244,7 @@ def build_release():
                      check_script=CHECK.read_text(), uv=uv_binary(settings), uv_version=uv["version"],
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
                      python=state["python"]["executable"])
+    _changing()
     yield tool_command(settings.venv_python, "build", params)
     probe.changed(host)  # a new release directory: the releases, its python, its patch state
 
@@ -227,10 +268,11 @@ def activate_release(release: str, by: str = "deploy"):
         yield _refusal(_not_a_venv(settings))
         return
     if where["release"] == release:
-        host.noop(f"{settings.venv_path} already points at release {release}")
+        _unchanged(settings, f"{settings.venv_path} already points at release {release}")
         return
     if host.state.config.DIFF:
         _log_package_diff(settings, env_state(settings, packages=True), release)
+    _changing()
     yield tool_command(settings.venv_python, "activate",
                        _params(settings, release=release, by=by, adopt_as=f"adopted-{_utc_stamp()}"))
     probe.changed(host)  # the active release: every step's view of the host
@@ -255,9 +297,11 @@ def prune_releases(active: str):
         history.append({"release": active, "previous": current, "by": "deploy"})
     remove = releases_to_prune(releases, history, active, settings.venv_keep_releases)
     if not remove:
-        host.noop(f"{len(state['releases'])} release(s) kept (venv_keep_releases={settings.venv_keep_releases})")
+        _unchanged(settings, f"{len(state['releases'])} release(s) kept "
+                   f"(venv_keep_releases={settings.venv_keep_releases})")
         return
     protect = [active] + [entry.get("previous") for entry in history[-1:] if entry.get("previous")]
+    _changing()
     yield tool_command(settings.venv_python, "prune", _params(settings, remove=remove, protect=protect))
     probe.changed(host)  # release directories gone
 

@@ -1,7 +1,8 @@
 """Exact unified-diff engine for servestack's source patches (stdlib only).
 
 The same source runs in two places: locally (unit tests) and on the target host, where
-facts/patches.py ships it to the environment's own python together with the patch texts.
+facts/patches.py ships it to the environment's own python together with the patch texts
+(and servestack/memo.py, the one module it imports beyond the standard library).
 Hunks match exactly: every context and removed line must be identical, hunks may move
 (offset) but there is no fuzz, unlike GNU patch, which happily applies the Kimi patch a
 second time to sglang 0.5.10 with fuzz 2.
@@ -25,6 +26,8 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
+
+from servestack import memo  # on the host: shipped beside the engine (facts/patches.py)
 
 APPLIED = "applied"
 APPLICABLE = "applicable"
@@ -548,15 +551,11 @@ def _dist_info(package: str) -> tuple[str, Path, Path] | None:
 # of CPU (start, imports, compiling the engine and the checks). The answer depends only on the
 # payload (engine, sets, mode, paths) and on the files and directories read: the interpreter, the
 # directories searched for the distribution, its METADATA, the target files, the record. The
-# check reports them with their state (inode, size, mtime, ctime, as `stat -L -c MEMO_STAT`
-# prints them); the patches operation keeps that report on the host once the set is in place,
-# and the fact's shell prints the kept answer while `stat` still shows exactly that state
-# (facts/patches.py). Like git's index, an input changed within a second of the check is
-# "racily clean" (its ctime may not tell a later change apart): no memo then.
+# check reports them in a memo (servestack/memo.py: their stat, the racy second); the patches
+# operation keeps it on the host once the set is in place, and the fact's shell prints the kept
+# answer while `stat` still shows exactly that state (facts/patches.py).
 
 MEMO_HEADER = "servestack-patches-memo 1"
-MEMO_STAT = "%i %s %.9Y %.9Z %n"
-RACY_NS = 1_000_000_000
 
 
 def memo_inputs(site_packages: Path, metadata: Path, record_path: Path, results: list) -> list:
@@ -572,33 +571,9 @@ def memo_inputs(site_packages: Path, metadata: Path, record_path: Path, results:
     return list(dict.fromkeys(inputs))
 
 
-def _stamp(ns: int) -> str:
-    return f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
-
-
 def memo_text(answer: dict, digest: str, inputs: list, started_ns: int) -> str | None:
-    """The memo of `answer`: header, `P path` (present) / `A path` (absent) lines, `S stat` lines,
-    `R`, then the answer; None when an input cannot be kept this way (see above)."""
-    present, absent, stats = [], [], []
-    for path in inputs:
-        if "\n" in path:
-            return None
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            if os.path.islink(path):
-                return None
-            absent.append(f"A {path}")
-            continue
-        except OSError:
-            return None
-        if min(st.st_mtime_ns, st.st_ctime_ns) < 0 or max(st.st_mtime_ns, st.st_ctime_ns) >= started_ns - RACY_NS:
-            return None
-        present.append(f"P {path}")
-        stats.append(f"S {st.st_ino} {st.st_size} {_stamp(st.st_mtime_ns)} {_stamp(st.st_ctime_ns)} {path}")
-    if not present:
-        return None
-    return "\n".join([f"{MEMO_HEADER} {digest}", *present, *absent, *stats, "R", json.dumps(answer)]) + "\n"
+    """The check's memo of `answer` for the payload `digest` (None: see servestack/memo.py)."""
+    return memo.text(f"{MEMO_HEADER} {digest}", answer, inputs, started_ns)
 
 
 def remote_main(payload: dict) -> int:
@@ -606,6 +581,7 @@ def remote_main(payload: dict) -> int:
 
     payload: {"mode": "check"|"apply", "package", "record_path" (or None: sys.prefix),
               "sets": {version: {"patches": [[name, text], ...], "checks": source|None}},
+              "engine", "memo": the sources of this module and servestack/memo.py (run as such),
               "digest": sha256 of the payload as sent (added on the host; keys the memo)}
     """
     import time

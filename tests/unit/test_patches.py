@@ -25,19 +25,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from pyinfra.api import Config, Inventory, OperationError, State, StringCommand
-from pyinfra.api.connect import connect_all
+from pyinfra.api import Config, OperationError, State, StringCommand
 from pyinfra.api.deploy import add_deploy
 from pyinfra.api.operation import add_op
 from pyinfra.api.operations import run_ops
-from pyinfra.connectors.fake import FakeConnector
-from pyinfra.connectors.util import CommandOutput, OutputLine, make_unix_command
+from pyinfra.connectors.util import make_unix_command
 
 from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, memo_path, memo_write_command, remote_command
 from operations.patches import patches as patches_deploy
 from operations.patches import sglang_patches
-from servestack import patchlib
+from servestack import memo, patchlib
 from servestack.sandbox.rootfs import cache_dir
+from tests.unit.fake_host import fake_state, run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 SET = load_patch_sets("sglang")["0.5.9"]
@@ -354,28 +353,17 @@ def test_remote_command_stays_small():
 
 
 def make_state(data: dict, diff: bool = False) -> State:
-    inventory = Inventory((["@fake/gpu1"], {"fake_delay": 0, "fake_delay_jitter": 0, **data}))
-    state = State(inventory, Config(DIFF=diff))
-    state.print_noop_info = True
-    connect_all(state)
-    return state
+    return fake_state(data, Config(DIFF=diff))
 
 
 @pytest.fixture
 def run_locally(monkeypatch, tmp_path):
     """The @fake connector, but servestack's patch commands aimed at tmp_path really run."""
-    fake_lookup = FakeConnector._lookup_response
+    def ours(command: str) -> bool:
+        patches = "# servestack patches:" in command or ".memo" in command  # the check, apply, the memo
+        return patches and str(tmp_path) in command
 
-    def lookup(self, command):
-        ours = "# servestack patches:" in command or ".memo" in command  # the check, apply, the memo
-        if not ours or str(tmp_path) not in command:
-            return fake_lookup(self, command)
-        result = sh(command)
-        lines = [OutputLine("stdout", line) for line in result.stdout.splitlines()]
-        lines += [OutputLine("stderr", line) for line in result.stderr.splitlines()]
-        return result.returncode == 0, CommandOutput(lines)
-
-    monkeypatch.setattr(FakeConnector, "_lookup_response", lookup)
+    run_here(monkeypatch, ours, sh)
 
 
 def host_ops(state: State):
@@ -485,7 +473,7 @@ def applied_and_settled(env: Env) -> dict:
     """Apply the set, let the racy second pass (see patchlib's memo), keep the memo as the operation
     does; the check's own answer is returned."""
     assert sh(remote_command(env.python, "apply", "sglang", str(env.record), PATCH_ROOT)).returncode == 0
-    time.sleep(patchlib.RACY_NS / 1e9 + 0.1)
+    time.sleep(memo.RACY_NS / 1e9 + 0.1)
     answer = checked(env)
     assert answer["memo"], "a settled, converged environment gives a memo"
     assert sh(memo_write_command(str(env.record), answer["memo"])).returncode == 0
@@ -559,13 +547,13 @@ def test_no_memo_for_inputs_changed_within_the_racy_second(tmp_path):
     target.write_text("x = 1\n")
     now = time.time_ns()
     assert patchlib.memo_text({"a": 1}, "d" * 64, [str(target)], now) is None
-    kept = patchlib.memo_text({"a": 1}, "d" * 64, [str(target), str(tmp_path / "absent")], now + 2 * patchlib.RACY_NS)
+    kept = patchlib.memo_text({"a": 1}, "d" * 64, [str(target), str(tmp_path / "absent")], now + 2 * memo.RACY_NS)
     lines = kept.splitlines()
     assert lines[0] == f"{patchlib.MEMO_HEADER} {'d' * 64}"
     assert lines[1:3] == [f"P {target}", f"A {tmp_path / 'absent'}"]
-    stat_line = sh(f"stat -L -c '{patchlib.MEMO_STAT}' {target}").stdout.strip()
+    stat_line = sh(f"stat -L -c '{memo.STAT}' {target}").stdout.strip()
     assert lines[3] == f"S {stat_line}"  # python writes what `stat` prints
-    assert lines[4:] == ["R", json.dumps({"a": 1})]
+    assert lines[4:] == ["R 8", json.dumps({"a": 1})]
 
 
 def test_verification_reads_the_files_not_the_memo(make_env):
@@ -580,7 +568,7 @@ def test_the_operation_keeps_the_memo_once_the_set_is_in_place_and_never_in_a_dr
     state = make_state({})
     add_op(state, sglang_patches, python=env.python, record_path=str(env.record))
     run_ops(state)
-    time.sleep(patchlib.RACY_NS / 1e9 + 0.1)
+    time.sleep(memo.RACY_NS / 1e9 + 0.1)
 
     dry = make_state({})
     add_op(dry, sglang_patches, python=env.python, record_path=str(env.record))
