@@ -7,7 +7,8 @@ CLI: every `run_shell_command` is one remote command (one SSH exec channel: fact
 commands, the commands pyinfra runs around uploads) and every `put_file` / `get_file` one file
 transfer (SFTP). Counting at the connector counts exactly what goes over the wire, whatever the
 deploy's code does, and does not depend on log formats. The counts are written as JSON
-({host: {"commands": n, "transfers": n}}) when pyinfra exits.
+({host: {"commands": n, "transfers": n}}) when pyinfra exits. BENCH_COMMAND_TEXTS=DIR also keeps
+each command's whole text (DIR/NNN-host.sh), for tests that look at what was sent.
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ from pyinfra.connectors.ssh import SSHConnector
 
 T0 = time.perf_counter()
 LOG = os.environ.get("BENCH_COMMAND_LOG")
+TEXTS = os.environ.get("BENCH_COMMAND_TEXTS")  # a directory: each command's whole text, NNN-host.sh
 COUNTS: dict = defaultdict(lambda: {"commands": 0, "transfers": 0})
 
 
 def _counted(method, kind: str):
     def wrapper(self, *args, **kwargs):
         COUNTS[self.host.name][kind] += 1
+        if TEXTS and kind == "commands" and args:
+            number = sum(counts["commands"] for counts in COUNTS.values())
+            text = args[0].get_raw_value() if hasattr(args[0], "get_raw_value") else str(args[0])
+            with open(os.path.join(TEXTS, f"{number:03d}-{self.host.name}.sh"), "w") as out:
+                out.write(text)
         started = time.perf_counter()
         try:
             return method(self, *args, **kwargs)

@@ -39,16 +39,20 @@ class HostPreflight(FactBase):
     + install_path, keep_paths, link_path: as for facts.toolkit.CudaToolkits
     + files: runfile paths to stat
     + disk_paths: paths whose filesystem's free space matters
+    + toolkit: False leaves the toolkits out (``toolkit`` is then None): the deploy reads them as
+      the toolkit step's own fact in the same probe, so that they are read once per run
     """
 
-    def command(self, state_dir, install_path, keep_paths, link_path, files=(), disk_paths=()):
-        header = json.dumps({"install_path": install_path, "link_path": link_path})
-        return f"echo {shlex.quote('args ' + header)}; " + combine_sections({
+    def command(self, state_dir, install_path, keep_paths, link_path, files=(), disk_paths=(), toolkit=True):
+        header = json.dumps({"install_path": install_path, "link_path": link_path, "toolkit": bool(toolkit)})
+        sections = {
             "gpu": gpu_command(),
             "disk": disk_command(tuple(disk_paths)),
             "lock": lock_read_command(state_dir),
-            "toolkit": toolkits_command(install_path, tuple(keep_paths), link_path, state_dir, tuple(files)),
-        })
+        }
+        if toolkit:
+            sections["toolkit"] = toolkits_command(install_path, tuple(keep_paths), link_path, state_dir, tuple(files))
+        return f"echo {shlex.quote('args ' + header)}; " + combine_sections(sections)
 
     @staticmethod
     def default():
@@ -63,5 +67,5 @@ class HostPreflight(FactBase):
             disks=parse_disks(sections.get("disk", [])),
             lock=parse_lock(sections.get("lock", [])),
             toolkit=parse_toolkits(header.get("install_path", ""), header.get("link_path", ""),
-                                   sections.get("toolkit", [])),
+                                   sections.get("toolkit", [])) if header.get("toolkit", True) else None,
         )

@@ -135,6 +135,16 @@ def _q(value: str) -> str:
     return shlex.quote(value)
 
 
+def dpkg_may_own(path: str) -> str:
+    """Shell test: some dpkg package lists `path` (a quoted word or "$var") or diverts it. It reads
+    the package lists with one `grep`, where `dpkg -S` loads the whole database (~20 ms of CPU on a
+    small host, several times that on a full one) to answer the same, usually "no" on a runfile
+    install. When it says yes, dpkg -S gives the answer. The database is where dpkg looks for it."""
+    return (f"command -v dpkg >/dev/null 2>&1 && "
+            f"grep -qsFx -- {path} \"${{DPKG_ADMINDIR:-/var/lib/dpkg}}\"/info/*.list "
+            f"\"${{DPKG_ADMINDIR:-/var/lib/dpkg}}\"/diversions")
+
+
 def tree_command(path: str, prefix: str = "tree") -> str:
     """Print `<prefix>_*` lines describing the toolkit tree at `path` (see `parse_tree`)."""
     p = _q(path)
@@ -148,7 +158,7 @@ def tree_command(path: str, prefix: str = "tree") -> str:
         f"echo \"{prefix}_nvcc_exit $?\"; printf '%s\\n' \"$out\" | "
         f"while IFS= read -r l; do printf '%s %s\\n' {prefix}_nvcc \"$l\"; done; fi; "
         f"if [ -f {p}/version.json ]; then printf '%s %s\\n' {prefix}_version_json \"$(tr -d '\\n' < {p}/version.json)\"; "
-        f"elif command -v dpkg >/dev/null 2>&1; then "
+        f"elif {dpkg_may_own(p + '/bin/nvcc')}; then "
         f"dpkg -S {p}/bin/nvcc 2>/dev/null | head -n 1 | sed 's/^/{prefix}_dpkg /'; fi; "
         f"elif [ -e {p} ]; then echo {prefix}_exists; echo \"{prefix}_nvcc_exit 127\"; "
         f"else echo {prefix}_absent; fi"
@@ -355,10 +365,11 @@ def fingerprint_command(path: str) -> str:
     return (
         f"if [ -d {p} ]; then echo fp_present; "
         f"if [ -e {p}/bin/nvcc ]; then out=$({p}/bin/nvcc --version 2>&1); echo \"fp_nvcc_exit $?\"; "
-        "printf '%s\\n' \"$out\" | sed 's/^/fp_nvcc /'; fi; "
+        "printf '%s\\n' \"$out\" | while IFS= read -r l; do printf 'fp_nvcc %s\\n' \"$l\"; done; fi; "
         f"if [ -f {p}/version.json ]; then printf '%s %s\\n' fp_version_json \"$(tr -d '\\n' < {p}/version.json)\"; fi; "
-        f"list=$({listing}); "
-        "echo \"fp_files $(printf '%s\\n' \"$list\" | grep -c .) $(printf '%s\\n' \"$list\" | sha256sum | cut -d' ' -f1)\"; "
+        # the entry count (non-empty lines) and the hash without grep and cut: this runs on every converge
+        f"list=$({listing}); n=$(set -f; IFS='\n'; set -- $list; echo $#); "
+        "h=$(printf '%s\\n' \"$list\" | sha256sum); echo \"fp_files $n ${h%% *}\"; "
         "else echo fp_absent; fi"
     )
 

@@ -22,7 +22,7 @@ replaces it (saying so).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from packaging.version import InvalidVersion, Version
 from pyinfra import host
@@ -32,6 +32,7 @@ from facts.gpu import GpuReport
 from facts.host import lock_path, parse_generation, release_lock_command, take_lock_command
 from facts.preflight import HostPreflight, PreflightFacts
 from facts.probe import FactRequest
+from facts.toolkit import CudaToolkits, parse_toolkits
 from operations.toolkit import (
     assess_install,
     human_bytes,
@@ -39,6 +40,7 @@ from operations.toolkit import (
     link_line,
     runfile_candidates,
     runfile_source,
+    toolkit_fact_arguments,
 )
 from servestack import probe
 from servestack.hostrun import (
@@ -78,7 +80,9 @@ def _fail(name: str, *problems: str) -> Check:
     return Check(name, "fail", "; ".join(problems), tuple(problems))
 
 
-def preflight_fact_arguments(settings: Settings) -> dict:
+def preflight_fact_arguments(settings: Settings, toolkit: bool = False) -> dict:
+    """HostPreflight's arguments; the deploy reads the toolkits as the toolkit step's own fact
+    (`preflight_requests`), `servestack doctor` asks for them here (`toolkit=True`)."""
     return {
         "state_dir": settings.servestack_state_dir,
         "install_path": settings.cuda_install_path,
@@ -86,15 +90,23 @@ def preflight_fact_arguments(settings: Settings) -> dict:
         "link_path": settings.manifest.cuda["link_path"],
         "files": runfile_candidates(settings),
         "disk_paths": (settings.cuda_cache_dir, settings.cuda_tmpdir, settings.cuda_install_path),
+        "toolkit": toolkit,
     }
+
+
+def preflight_requests(settings: Settings) -> list[FactRequest]:
+    """What preflight reads: HostPreflight without its toolkit section, and the toolkit step's fact
+    (read once in the run: the execute stage starts from it until a step changes the toolkits)."""
+    return [FactRequest.of(HostPreflight, **preflight_fact_arguments(settings)),
+            FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings))]
 
 
 @probe.expects
 def _expected_facts(host_) -> list[FactRequest]:
-    return [FactRequest.of(HostPreflight, **preflight_fact_arguments(host_settings(host_)))]
+    return preflight_requests(host_settings(host_))
 
 
-probe.decides(HostPreflight)  # preflight() returns whether the host may go on
+probe.decides(HostPreflight, CudaToolkits)  # preflight() returns whether the host may go on
 
 
 def check_driver(settings: Settings, gpu: GpuReport) -> Check:
@@ -299,8 +311,12 @@ def _read_before_another_run(take: LockTake, facts: PreflightFacts) -> bool:
     return not take.ours and take.generation != facts.lock.generation + 1
 
 
-def _read_facts(settings: Settings) -> PreflightFacts:
-    return probe.fact(host, HostPreflight, **preflight_fact_arguments(settings))
+def _read_facts(settings: Settings) -> PreflightFacts | None:
+    facts, toolkits = probe.facts(host, preflight_requests(settings))
+    if facts is None:
+        return None
+    return replace(facts, toolkit=toolkits or parse_toolkits(settings.cuda_install_path,
+                                                             settings.manifest.cuda["link_path"], []))
 
 
 @operation()

@@ -31,7 +31,7 @@ from packaging.version import InvalidVersion, Version
 
 from facts.gpu import GpuReport, gpu_command, parse_gpu_output
 from facts.service import PATCH_RECORDS, UNIT_PROPERTIES, parse_properties, release_id_of
-from facts.toolkit import (Fingerprint, LinkChain, Tree, fingerprint_command, link_chain_command,
+from facts.toolkit import (Fingerprint, LinkChain, Tree, dpkg_may_own, fingerprint_command, link_chain_command,
                            parse_fingerprint, parse_json_object, parse_link_chain, parse_tree,
                            tree_command)
 from facts.toolkit import record_path as toolkits_record_path
@@ -184,7 +184,8 @@ def kept_toolkit_paths(settings: Settings) -> tuple[str, ...]:
 _SECRET_SCAN = r"""awk -v F="$1" 'BEGIN { while ((getline l < F) > 0) { if (l ~ /^[ \t]*#/) continue; i = index(l, "="); if (i == 0) continue; v = substr(l, i + 1); gsub(/^"|"$/, "", v); if (length(v) >= 4) vals[v] = 1 } } { for (v in vals) if (index($0, v)) { n++; break } } END { print n + 0 }'"""
 
 _PACKAGE_OWNER = (
-    "n=$1; p=$(dpkg -S \"$n\" 2>/dev/null); p=${p%%\"\n\"*}; p=${p%%:*}; "  # the first line's package
+    f"n=$1; p=; if {dpkg_may_own(chr(34) + '$n' + chr(34))}; then p=$(dpkg -S \"$n\" 2>/dev/null); fi; "
+    "p=${p%%\"\n\"*}; p=${p%%:*}; "  # the first line's package
     "[ -n \"$p\" ] && dpkg-query -W -f='dpkg ${Package} ${Version}\\n' \"$p\" && "
     # the toolkit's release is the version of its meta packages (cuda-nvcc is 13.0.88 in 13.0.1 and 13.0.2)
     "dpkg-query -W -f='${db:Status-Abbrev} ${Package} ${Version}\\n' cuda-toolkit-${p#cuda-nvcc-} "
@@ -211,9 +212,11 @@ def _service_sections(settings: Settings) -> list[str]:
     count_names = (f"$(printf '%s\\n' \"$u\" | grep -cE {name_pattern})" if secret_names else "0")
     return [
         _section("systemd", "test -d /run/systemd/system && echo running || echo 'not running'"),
-        _section("service", f"systemctl show --property={','.join(UNIT_PROPERTIES)} -- {unit}"),
+        # systemd is asked once: the service section prints the answer, service_process takes MainPID from it
+        f"svc=$(systemctl show --property={','.join(UNIT_PROPERTIES)} -- {unit} 2>&1 </dev/null); svc_rc=$?\n",
+        _section("service", "[ -z \"$svc\" ] || printf '%s\\n' \"$svc\"; exit $svc_rc"),
         _section("service_process",
-                 f"pid=$(systemctl show -p MainPID --value -- {unit} 2>/dev/null); "
+                 "pid=; [ $svc_rc = 0 ] && case \"$svc\" in *MainPID=*) pid=${svc#*MainPID=}; pid=${pid%%[!0-9]*} ;; esac; "
                  "[ -n \"$pid\" ] && [ \"$pid\" != 0 ] || exit 3; "
                  "printf 'user\\t%s\\n' \"$(stat -c %U /proc/$pid)\"; "
                  f"tr '\\0' '\\n' < /proc/$pid/environ | grep -E {keep_env}{drop_secrets} | "

@@ -129,7 +129,7 @@ def _check_host(state, host) -> HostReport:
             return report_for(host.name, settings, None, None, "cannot connect")
         state.activate_host(host)
         try:
-            facts = host.get_fact(HostPreflight, **preflight_fact_arguments(settings))
+            facts = host.get_fact(HostPreflight, **preflight_fact_arguments(settings, toolkit=True))
         except PyinfraError as error:
             return report_for(host.name, settings, None, None, f"cannot read the host: {error}")
     return report_for(host.name, settings, facts, None)

@@ -5,6 +5,8 @@ Remote commands are counted by bench/counting_pyinfra.py (a wrapper of pyinfra's
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -12,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from facts.toolkit import toolkits_command
+from operations.toolkit import kept_paths, runfile_candidates
 from pyinfra_run import ROOT, apply, run_pyinfra
+from servestack.settings import host_settings
+from servestack.verify import load_inventory
 
 pytestmark = pytest.mark.integration
 
@@ -21,12 +27,21 @@ MAX_NOOP_COMMANDS = 4     # prepare probe, execute probe, take and release the l
 MAX_DRY_COMMANDS = 2      # the probe before and after the planned release is known
 
 
-def counted_run(lab, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def counted_run(lab, *args: str, texts: Path | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """pyinfra's CLI with the deploy, counting remote commands (`texts`: keep each command's text there)."""
+    env = {**os.environ, **({"BENCH_COMMAND_TEXTS": str(texts)} if texts else {})}
     with tempfile.NamedTemporaryFile(suffix=".json") as counts:
         argv = lab.controller_argv([sys.executable, str(COUNTER), counts.name, str(lab.inventory_path),
                                     "deploy.py", *args])
-        result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
         return result, json.loads(Path(counts.name).read_text() or "{}")
+
+
+def toolkit_reads(texts: Path, settings) -> int:
+    """How many times the commands sent read the toolkits (their command's text, wherever it is)."""
+    command = toolkits_command(settings.cuda_install_path, kept_paths(settings), settings.manifest.cuda["link_path"],
+                               settings.servestack_state_dir, tuple(runfile_candidates(settings)))
+    return sum(path.read_text().count(command) for path in texts.iterdir())
 
 
 def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
@@ -39,10 +54,18 @@ def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
     assert counts["h1"]["commands"] <= MAX_NOOP_COMMANDS and counts["h1"]["transfers"] == 0, counts
     memo = the_lab.exec(the_lab.hosts[0], "cat /opt/ml-env/../patches.json.memo", check=True).stdout
     assert memo.startswith("servestack-patches-memo 1 "), memo[:200]
-    noop, counts = counted_run(the_lab, "-y", "--json", "-v")  # -v: pyinfra shows the no-op reasons
-    assert noop.returncode == 0, noop.stderr[-4000:]
-    assert json.loads(noop.stdout)["results"]["totals"]["success"] == 0
-    assert counts["h1"]["commands"] <= MAX_NOOP_COMMANDS and counts["h1"]["transfers"] == 0, counts
+    memo = the_lab.exec(the_lab.hosts[0], "cat /var/lib/servestack/ml-env-state.memo", check=True).stdout
+    assert memo.startswith("servestack-ml-env-memo 1 "), memo[:200]
+    texts = Path(tempfile.mkdtemp(prefix="servestack-commands-"))
+    try:
+        noop, counts = counted_run(the_lab, "-y", "--json", "-v", texts=texts)  # -v: pyinfra shows no-op reasons
+        assert noop.returncode == 0, noop.stderr[-4000:]
+        assert json.loads(noop.stdout)["results"]["totals"]["success"] == 0
+        assert counts["h1"]["commands"] <= MAX_NOOP_COMMANDS and counts["h1"]["transfers"] == 0, counts
+        # preflight and the toolkit step share one read of the toolkits (nvcc, records, runfile stats)
+        assert toolkit_reads(texts, host_settings(load_inventory(the_lab.inventory_path)[0])) == 1
+    finally:
+        shutil.rmtree(texts, ignore_errors=True)
     # the heavy checks (torch, the CUDA sample, the patch check) were recorded by the converge and reused
     assert "not re-run: recorded at" in noop.stderr, noop.stderr[-4000:]
     record = json.loads(the_lab.exec(the_lab.hosts[0], "cat /var/lib/servestack/verified.json", check=True).stdout)

@@ -3,6 +3,7 @@ here against throwaway trees in a temporary directory (they only read; nothing i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ from facts.toolkit import (
     LinkChain,
     RunfileDigest,
     ToolkitFingerprint,
+    fingerprint_command,
+    parse_fingerprint,
     parse_nvcc_version,
     parse_tree,
 )
@@ -187,6 +190,30 @@ def test_fingerprint_round_trips_through_the_record(tmp_path):
     assert again.differences(now) == []
     gone = fact_output(ToolkitFingerprint(), path=str(tmp_path / "missing"))
     assert not gone.present and again.differences(gone) == ["was present, now missing"]
+
+
+def test_fingerprint_counts_and_hashes_the_sorted_listing_with_shell_builtins(tmp_path):
+    """Entries named with glob characters, spaces and tabs count once each (no word splitting but
+    on newlines, no globbing); the hash is the sorted listing's; no grep, cut or sed is started."""
+    root = write_toolkit_tree(tmp_path / "cuda-12.8")
+    for name in ("a*b", "sp ace", "tab\tname", "[x]"):
+        (root / name).write_text(name)
+    (root / "empty-dir").mkdir()
+    listing = subprocess.run(
+        ["sh", "-c", f"find {root}/ -mindepth 1 \\( -type f -printf 'f\\t%P\\t%s\\n' \\) -o \\( -type l -printf "
+                     "'l\\t%P\\t%l\\n' \\) -o -printf '%y\\t%P\\n' | LC_ALL=C sort"],
+        capture_output=True, text=True, check=True).stdout
+    bin_dir, log = tmp_path / "bin", tmp_path / "started"
+    bin_dir.mkdir()
+    for name in ("grep", "cut", "sed"):
+        (bin_dir / name).write_text(f"#!/bin/sh\necho {name} >> {log}\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    out = subprocess.run(["sh", "-c", fingerprint_command(str(root))], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}).stdout
+    found = parse_fingerprint(str(root), out.splitlines())
+    assert found.files == len(listing.splitlines()) and found.nvcc_version == "12.8.93"
+    assert found.files_sha256 == hashlib.sha256(listing.encode()).hexdigest()
+    assert not log.exists()
 
 
 def test_runfile_digest_reads_size_md5_and_sha256(tmp_path):

@@ -5,23 +5,32 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from facts.gpu import Gpu, GpuReport
 from facts.host import (
     Disk,
     LockState,
+    disk_command,
     lock_read_command,
     parse_df_line,
+    parse_disks,
     parse_lock,
     release_lock_command,
     take_lock_command,
 )
-from facts.preflight import PreflightFacts
-from facts.toolkit import FileStat, LinkChain, NvccVersion, ToolkitState, Tree
-from operations.preflight import CHECKS, disk_needs, evaluate, problems_of
+from facts.preflight import HostPreflight, PreflightFacts
+from facts.probe import FactRequest
+from facts.toolkit import (CudaToolkits, FileStat, LinkChain, NvccVersion, ToolkitState, Tree, dpkg_may_own,
+                           toolkits_command)
+from operations.preflight import (CHECKS, disk_needs, evaluate, preflight_fact_arguments, preflight_requests,
+                                  problems_of)
+from operations.toolkit import kept_paths, runfile_candidates, toolkit_fact_arguments
 from servestack.doctor import render_json, report_for
 from servestack.settings import settings_from_data
 
@@ -211,3 +220,88 @@ def test_lock_of_a_dead_connection_is_alive_while_its_installer_runs(tmp_path):
         os.killpg(holder.pid, signal.SIGKILL)          # flock and the sleep holding the lock
         holder.wait()
     assert not parse_lock(sh(lock_read_command(str(state))).stdout.splitlines()).alive
+
+
+# --- what preflight reads, and how -------------------------------------------------------------
+
+
+def _df_counting_path(tmp_path: Path, fail_batches: bool = False) -> dict:
+    """PATH with a `df` wrapper that logs each call (and, with fail_batches, fails for 2+ paths)."""
+    real_df = subprocess.run(["sh", "-c", "command -v df"], capture_output=True, text=True).stdout.strip()
+    wrapper = tmp_path / "bin" / "df"
+    wrapper.parent.mkdir()
+    batch = '[ "$#" -gt 3 ] && exit 1\n' if fail_batches else ""
+    wrapper.write_text(f"#!/bin/sh\necho called >> {tmp_path}/df.log\n{batch}exec {real_df} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return {**os.environ, "PATH": f"{wrapper.parent}:{os.environ['PATH']}"}
+
+
+def test_free_space_of_every_path_is_one_df_call(tmp_path):
+    paths = (str(tmp_path / "missing" / "deeper"), str(tmp_path), "/")
+    env = _df_counting_path(tmp_path)
+    out = subprocess.run(["sh", "-c", disk_command(paths)], capture_output=True, text=True, env=env).stdout
+    disks = parse_disks(out.splitlines())
+    assert (tmp_path / "df.log").read_text().count("called") == 1
+    assert set(disks) == set(paths) and all(disk is not None and disk.size > 0 for disk in disks.values())
+    assert disks[paths[0]].mount == disks[paths[1]].mount  # a missing path counts as its nearest parent
+
+
+def test_free_space_falls_back_to_one_df_per_path_when_the_single_call_fails(tmp_path):
+    paths = (str(tmp_path / "missing"), "/")
+    env = _df_counting_path(tmp_path, fail_batches=True)
+    out = subprocess.run(["sh", "-c", disk_command(paths)], capture_output=True, text=True, env=env).stdout
+    disks = parse_disks(out.splitlines())
+    assert (tmp_path / "df.log").read_text().count("called") == 3
+    assert set(disks) == set(paths) and all(disk is not None for disk in disks.values())
+    assert parse_disks(["diskpath /a", "diskpath /b", "dfall", "Mounted on Avail 1B-blocks", "/ 1 2"]) == {
+        "/a": Disk("/a", "/", 1, 2), "/b": None}
+
+
+def test_the_deploy_reads_the_toolkits_once_as_the_toolkit_steps_fact():
+    s = settings()
+    host_preflight, toolkits = preflight_requests(s)
+    assert host_preflight.cls is HostPreflight and toolkits == FactRequest.of(CudaToolkits, **toolkit_fact_arguments(s))
+    toolkit_section = toolkits_command(s.cuda_install_path, kept_paths(s), "/usr/local/cuda", s.servestack_state_dir,
+                                       tuple(runfile_candidates(s)))
+    assert toolkit_section in toolkits.command()
+    assert toolkit_section not in host_preflight.command()
+    assert toolkit_section in HostPreflight().command(**preflight_fact_arguments(s, toolkit=True))  # the doctor's
+    assert HostPreflight().process(['args {"install_path": "/x", "link_path": "/y", "toolkit": false}']).toolkit is None
+
+
+@pytest.mark.skipif(not shutil.which("dpkg"), reason="no dpkg on this machine: nothing to compare with")
+def test_the_package_list_test_agrees_with_dpkg(tmp_path):
+    owned = subprocess.run(["dpkg", "-L", "dpkg"], capture_output=True, text=True).stdout.split()
+    owned_file = next(path for path in owned if os.path.isfile(path) and not os.path.islink(path))
+    for path in (owned_file, str(tmp_path / "nvcc"), "/usr/local/cuda-13.0/bin/nvcc"):
+        dpkg = subprocess.run(["dpkg", "-S", path], capture_output=True, text=True).returncode == 0
+        test = subprocess.run(["sh", "-c", f'n="$1"; {dpkg_may_own(chr(34) + "$n" + chr(34))}', "sh", path]).returncode == 0
+        assert test == dpkg, path
+
+
+def test_the_lock_names_its_sshd_session_and_takes_and_releases_without_helper_programs(tmp_path):
+    """The owner is the nearest ancestor named sshd (here a copy of sh named so), with its start
+    time from /proc; on a converged host (state dir there, no lock) taking and releasing the lock
+    start no program but flock and mv (each program costs every host CPU on every converge)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    bin_dir, log = tmp_path / "bin", tmp_path / "started"
+    bin_dir.mkdir()
+    for name in ("sed", "cut", "cat", "head", "tr", "mkdir", "date", "flock", "mv", "rm"):
+        real = shutil.which(name)
+        (bin_dir / name).write_text(f"#!/bin/sh\necho {name} >> {log}\nexec {real} \"$@\"\n")
+        (bin_dir / name).chmod(0o755)
+    fake_sshd = tmp_path / "sshd"
+    shutil.copy(os.path.realpath(shutil.which("sh")), fake_sshd)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    # the fake sshd runs the take in a child shell (a second command keeps it from exec'ing it)
+    run = subprocess.run([str(fake_sshd), "-c", 'sh -c "$1"; echo "sshd $$"', "sshd", take_lock_command(str(state), "run-A", "ctl:1", "T")],
+                         capture_output=True, text=True, env=env)
+    assert run.stdout.startswith("taken\ngeneration 1\n"), run.stderr
+    sshd_pid = int(run.stdout.split("sshd ")[1])
+    lock = json.loads((state / "lock").read_text())
+    assert lock["pid"] == sshd_pid and lock["owner_start"].isdigit()
+    assert lock["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    released = subprocess.run(["sh", "-c", release_lock_command(str(state), "run-A")], capture_output=True, text=True, env=env)
+    assert released.stdout == "released\n"
+    assert sorted(log.read_text().split()) == ["flock", "flock", "mv", "mv", "rm"]

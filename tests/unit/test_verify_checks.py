@@ -56,6 +56,9 @@ class FakeHost:
         self.nvcc(self.cuda, nvcc)
         dpkg = {line.split()[1]: line.split()[2] for line in real("dpkg-cuda.txt")[0].splitlines()}
         write_script(self.bin / "dpkg", '#!/bin/sh\n[ "$1" = -S ] && echo "cuda-nvcc-13-0: $2"\n')
+        self.dpkg_admin = root / "var" / "lib" / "dpkg"  # the package lists the probe greps first
+        (self.dpkg_admin / "info").mkdir(parents=True)
+        (self.dpkg_admin / "info" / "cuda-nvcc-13-0.list").write_text(f"/usr/local\n{self.cuda}/bin/nvcc\n")
         write_script(self.bin / "dpkg-query", (  # the two queries the probe makes, answered from the real list
             '#!/bin/sh\ncase "$*" in\n'
             f'*Status-Abbrev*) echo "ii  cuda-compiler-13-0 {dpkg["cuda-compiler-13-0"]}";;\n'
@@ -81,7 +84,7 @@ class FakeHost:
         return settings_from_data("h200", {**base, **data})
 
     def run(self, script: str) -> str:
-        env = {**os.environ, "PATH": f"{self.bin}:{os.environ['PATH']}"}
+        env = {**os.environ, "PATH": f"{self.bin}:{os.environ['PATH']}", "DPKG_ADMINDIR": str(self.dpkg_admin)}
         result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=60)
         assert result.returncode == 0, result.stderr
         return result.stdout
