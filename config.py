@@ -3,13 +3,18 @@
 It makes servestack validate the manifest and every targeted host's data as soon as the
 inventory is loaded, before pyinfra opens any connection: bad input stops the run with one
 message naming each host, key and expectation. It also sets TCP_NODELAY on every SSH connection
-(servestack/sshtune.py: ~7x cheaper remote commands).
+(servestack/sshtune.py: ~7x cheaper remote commands) and makes pyinfra's per-operation bookkeeping
+cheaper for the controller (servestack/stackorder.py, servestack/argcache.py).
 """
 
 from pyinfra import state
 
+from servestack.argcache import cache_global_arguments
 from servestack.preconnect import validate_after_inventory_load
 from servestack.sshtune import enable_tcp_nodelay
+from servestack.stackorder import use_frame_order
 
 validate_after_inventory_load(state)
 enable_tcp_nodelay()
+use_frame_order()
+cache_global_arguments()

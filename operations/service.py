@@ -13,6 +13,7 @@ roll-out stops once more than `rollout_failure_budget` hosts failed their health
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import json
@@ -262,14 +263,19 @@ def exec_start(settings: Settings, rel: Release) -> str:
     return " \\\n    ".join(lines)
 
 
-def render_unit(settings: Settings, rel: Release, patchset: str | None,
-                supplementary_groups: tuple[str, ...] = (), with_secrets: bool = False) -> str:
-    """The unit text for `rel` (pure: same inputs, same bytes)."""
-    template = jinja2.Environment(
+@functools.cache
+def _unit_template() -> jinja2.Template:
+    """Compiled once per run, not once per host and stage (~4 ms of the controller's CPU each)."""
+    return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
         trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
     ).get_template(UNIT_TEMPLATE.name)
-    return template.render(
+
+
+def render_unit(settings: Settings, rel: Release, patchset: str | None,
+                supplementary_groups: tuple[str, ...] = (), with_secrets: bool = False) -> str:
+    """The unit text for `rel` (pure: same inputs, same bytes)."""
+    return _unit_template().render(
         service_name=settings.service_name,
         release_id=rel.id,
         release_dir=rel.dir,
