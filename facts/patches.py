@@ -71,27 +71,24 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
     """The shell command running patchlib.remote_main with the environment's python.
 
     `python -I -` reads the script from a quoted heredoc: no local paths or environment
-    leak in, and the payload (base64 of zlib-compressed JSON) needs no shell quoting.
-    A missing interpreter prints a sentinel instead of failing the command. A check with a
-    record path first tries the memo the patches operation kept (see patchlib's memo), unless
-    `memo` is False (verification judges the files themselves).
+    leak in, and the payload needs no shell quoting: the code and patch sets (base64 of
+    zlib-compressed JSON, the same for every host, packed once per run) and this call's
+    mode and paths (JSON, base64). A missing interpreter prints a sentinel instead of
+    failing the command. A check with a record path first tries the memo the patches
+    operation kept (see patchlib's memo), unless `memo` is False (verification judges the
+    files themselves). The memo is keyed by the digest of both parts as sent.
     """
-    payload = {
-        "mode": mode,
-        "package": package,
-        "record_path": record_path,
-        "sets": load_patch_sets(package, patch_root),
-        "engine": Path(patchlib.__file__).read_text(),
-        "memo": memos.source(),
-    }
-    text = json.dumps(payload)
+    shared = _shared_payload(package, str(patch_root))
+    own = json.dumps({"mode": mode, "package": package, "record_path": record_path})
     script = "\n".join(
         [
             f"# servestack patches: {mode} {package}",
             "import base64, hashlib, json, sys, types, zlib",
-            f"raw = zlib.decompress(base64.b64decode('{_packed(text)}'))",
+            f"raw = zlib.decompress(base64.b64decode('{_packed(shared)}'))",
+            f"own = base64.b64decode('{base64.b64encode(own.encode()).decode()}')",
             "payload = json.loads(raw)",
-            "payload['digest'] = hashlib.sha256(raw).hexdigest()",
+            "payload.update(json.loads(own))",
+            "payload['digest'] = hashlib.sha256(raw + b'\\n' + own).hexdigest()",
             "memo = types.ModuleType('servestack.memo')",  # what the engine imports, from the payload
             "exec(compile(payload['memo'], 'servestack/memo.py', 'exec'), memo.__dict__)",
             "package = types.ModuleType('servestack')",
@@ -107,10 +104,16 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
     py = shlex.quote(python)
     run = f"{py} -I - <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}\n"
     if mode == "check" and record_path and memo:
-        digest = hashlib.sha256(text.encode()).hexdigest()
+        digest = hashlib.sha256(f"{shared}\n{own}".encode()).hexdigest()
         reader = memos.reader(memo_path(record_path), f"{patchlib.MEMO_HEADER} {digest}")
         run = f"if {reader}; then :; else {run}fi\n"
     return f"if [ -x {py} ]; then {run}else echo {shlex.quote(absent)}; fi"
+
+
+def _shared_payload(package: str, patch_root: str) -> str:
+    """The part of the payload every host gets: the package's patch sets, the engine, the memo code."""
+    return json.dumps({"sets": load_patch_sets(package, patch_root), "engine": Path(patchlib.__file__).read_text(),
+                       "memo": memos.source()})
 
 
 def memo_write_command(record_path: str, memo: str) -> str:

@@ -52,8 +52,15 @@ class FactRequest:
         return self.cls.__name__
 
     def command(self, fact=None) -> str:
-        """The fact's command as pyinfra runs it (with its `requires_command` guard)."""
-        fact = fact or self.cls()
+        """The fact's command as pyinfra runs it (with its `requires_command` guard); built once per
+        request (a probe sizes, then sends it), unless `fact` is given (see `value`)."""
+        if fact is None:
+            if "_command" not in self.__dict__:
+                object.__setattr__(self, "_command", self._build(self.cls()))
+            return self.__dict__["_command"]
+        return self._build(fact)
+
+    def _build(self, fact) -> str:
         command = _text(fact.command(**dict(self.kwargs)) if callable(fact.command) else fact.command)
         required = fact.requires_command(**dict(self.kwargs)) if callable(fact.requires_command) \
             else fact.requires_command
