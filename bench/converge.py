@@ -4,11 +4,12 @@ commands each host gets. Run by hand (root, sandbox tools), not a test:
     .venv/bin/python bench/converge.py                 # 1, 4 and 8 hosts, 5 timed runs each
     .venv/bin/python bench/converge.py --hosts 1 --repeat 3
 
-One lab of max(--hosts) sandbox hosts is booted and converged with the real deploy.py; then, for
-each fleet size N, `--limit` targets the first N hosts: K no-op converges (`pyinfra -y --json`,
-each must report zero changes) and K dry runs (`pyinfra --dry`). Wall time is the whole pyinfra
-process, as a user sees it (Python start-up, inventory, connecting, facts, operations). The median
-of the K runs is reported. Remote commands are counted by bench/counting_pyinfra.py, a wrapper
+One lab of max(--hosts) sandbox hosts is booted and converged with the real deploy.py; then K
+rounds (--repeat) each time, for every fleet size N (`--limit`: the first N hosts), one no-op
+converge (`pyinfra -y --json`, which must report zero changes) and one dry run (`pyinfra --dry`).
+Wall time is the whole pyinfra process, as a user sees it (Python start-up, inventory, connecting,
+facts, operations). The median of the K runs is reported, and the ratios N/1 both of the medians
+and "paired" (the median of each round's own ratio: the sizes of one round ran moments apart). Remote commands are counted by bench/counting_pyinfra.py, a wrapper
 around pyinfra's SSH connector (see its docstring).
 
 Prints a table with the 8/1 ratios and writes bench/results/<git short sha>-<UTC>.json.
@@ -116,31 +117,51 @@ def per_host(counts: dict, hosts: list[str]) -> dict:
             "controller_cpu_s": counts.get("controller", {}).get("cpu_s")}
 
 
-def measure(lab: Lab, hosts: list[str], mode: str, repeat: int) -> dict:
+def timed_run(lab: Lab, hosts: list[str], mode: str) -> tuple[float, dict]:
+    """One no-op converge or dry run of `hosts`: its wall time and per-host counts."""
     args = ("-y", "--json") if mode == "noop" else ("--dry",)
-    times, runs = [], []
-    for _ in range(repeat):
-        elapsed, counts, result = pyinfra(lab, hosts, *args)
-        if result.returncode != 0:
-            raise BenchFailed(f"{mode} on {len(hosts)} host(s) failed (exit {result.returncode}):\n"
-                              f"{(result.stdout + result.stderr)[-4000:]}")
-        if mode == "noop" and changes(result):
-            raise BenchFailed(f"a no-op converge of {len(hosts)} host(s) changed {changes(result)} thing(s)")
-        times.append(elapsed)
-        runs.append(per_host(counts, hosts))
-    median_run = runs[times.index(sorted(times)[len(times) // 2])]
-    return {"hosts": len(hosts), "mode": mode, "times_s": [round(t, 3) for t in times],
-            "median_s": round(statistics.median(times), 3), **median_run}
+    elapsed, counts, result = pyinfra(lab, hosts, *args)
+    if result.returncode != 0:
+        raise BenchFailed(f"{mode} on {len(hosts)} host(s) failed (exit {result.returncode}):\n"
+                          f"{(result.stdout + result.stderr)[-4000:]}")
+    if mode == "noop" and changes(result):
+        raise BenchFailed(f"a no-op converge of {len(hosts)} host(s) changed {changes(result)} thing(s)")
+    return elapsed, per_host(counts, hosts)
+
+
+def measure_rounds(lab: Lab, names: list[str], sizes: list[int], repeat: int) -> list[dict]:
+    """`repeat` rounds, each timing every fleet size and mode once: a machine whose speed drifts
+    (a shared VM) then slows every size alike instead of whichever size was measured during the slump."""
+    samples: dict[tuple[int, str], list[tuple[float, dict]]] = {}
+    for round_number in range(1, repeat + 1):
+        for size in sizes:
+            for mode in ("noop", "dry"):
+                samples.setdefault((size, mode), []).append(timed_run(lab, names[:size], mode))
+        console.print(f"round {round_number}/{repeat}: " + ", ".join(
+            f"{mode} {size}: {samples[(size, mode)][-1][0]:.2f} s" for size in sizes for mode in ("noop", "dry")))
+    rows = []
+    for size in sizes:
+        for mode in ("noop", "dry"):
+            times = [elapsed for elapsed, _ in samples[(size, mode)]]
+            median_run = samples[(size, mode)][times.index(sorted(times)[len(times) // 2])][1]
+            rows.append({"hosts": size, "mode": mode, "times_s": [round(t, 3) for t in times],
+                         "median_s": round(statistics.median(times), 3), **median_run})
+    return rows
 
 
 def ratios(rows: list[dict]) -> dict:
+    """N hosts / the smallest fleet, by medians, and `paired`: the median of the ratios of the runs of
+    one round (taken moments apart, so machine drift cancels)."""
     out = {}
     for mode in ("noop", "dry"):
-        by_size = {row["hosts"]: row["median_s"] for row in rows if row["mode"] == mode}
+        by_size = {row["hosts"]: row for row in rows if row["mode"] == mode}
         smallest = min(by_size)
-        for size, median in by_size.items():
+        base = by_size[smallest]
+        for size, row in by_size.items():
             if size != smallest:
-                out[f"{mode} {size}/{smallest}"] = round(median / by_size[smallest], 2)
+                out[f"{mode} {size}/{smallest}"] = round(row["median_s"] / base["median_s"], 2)
+                paired = [t / b for t, b in zip(row["times_s"], base["times_s"])]
+                out[f"{mode} {size}/{smallest} paired"] = round(statistics.median(paired), 2)
     return out
 
 
@@ -179,12 +200,7 @@ def main() -> int:
         console.print(f"lab up: {max(sizes)} host(s) in {time.perf_counter() - started:.1f} s")
         names = [host.name for host in lab.hosts]
         converge(lab, names)
-        for size in sizes:
-            for mode in ("noop", "dry"):
-                row = measure(lab, names[:size], mode, options.repeat)
-                console.print(f"{mode} {size} host(s): median {row['median_s']:.2f} s, "
-                              f"{row['commands_max']} remote commands per host")
-                rows.append(row)
+        rows = measure_rounds(lab, names, sizes, options.repeat)
     except BenchFailed as error:
         console.print(f"[red]bench failed:[/] {error}", markup=True, highlight=False)
         return 1
