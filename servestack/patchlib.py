@@ -512,21 +512,22 @@ def _metadata_version(metadata: Path) -> str | None:
     return None
 
 
-def find_distribution(package: str) -> tuple[str, Path] | None:
-    """(version, the directory holding it) of the installed distribution, the first on sys.path,
-    as importlib.metadata finds it; read from its .dist-info directly because importing
-    importlib.metadata costs ~40 ms on the host on every converge (it imports email, zipfile...).
-    Distributions without a .dist-info (old .egg-info) are left to importlib.metadata."""
+def find_distribution(package: str) -> tuple[str, Path, Path | None] | None:
+    """(version, the directory holding it, its METADATA file) of the installed distribution, the
+    first on sys.path, as importlib.metadata finds it; read from its .dist-info directly because
+    importing importlib.metadata costs ~40 ms on the host on every converge (it imports email,
+    zipfile...). Distributions without a .dist-info (old .egg-info) are left to importlib.metadata,
+    and have no METADATA path here (the check's memo needs one)."""
     found = _dist_info(package)
     if found:
-        version, entry, _ = found
-        return version, entry.resolve()
+        version, entry, metadata = found
+        return version, entry.resolve(), metadata
     import importlib.metadata
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
         return None
-    return dist.version, Path(dist.locate_file("")).resolve()
+    return dist.version, Path(dist.locate_file("")).resolve(), None
 
 
 def _dist_info(package: str) -> tuple[str, Path, Path] | None:
@@ -592,7 +593,7 @@ def remote_main(payload: dict) -> int:
     if found is None:
         print(json.dumps(out))
         return 0
-    version, site_packages = found
+    version, site_packages, metadata = found
     patch_set = payload["sets"].get(version)
     out.update(
         installed=True,
@@ -620,10 +621,8 @@ def remote_main(payload: dict) -> int:
             record_path=str(record_path),
             record=record_status(record_path, make_record(package, version, results)),
         )
-        if payload["mode"] == "check" and payload.get("digest") and payload["record_path"]:
-            dist = _dist_info(package)  # None: found by importlib.metadata (no .dist-info), no memo
-            if dist and dist[1].resolve() == site_packages:
-                inputs = memo_inputs(site_packages, dist[2], record_path, results)
-                out["memo"] = memo_text(dict(out), payload["digest"], inputs, started_ns)
+        if payload["mode"] == "check" and payload.get("digest") and payload["record_path"] and metadata:
+            inputs = memo_inputs(site_packages, metadata, record_path, results)
+            out["memo"] = memo_text(dict(out), payload["digest"], inputs, started_ns)
     print(json.dumps(out))
     return 0
