@@ -66,12 +66,14 @@ def _tail(text: str, lines: int = 40) -> str:
 
 
 def dry_run(lab, inventory: Path, outcome: Outcome) -> None:
-    before = lab.fingerprints()
+    before = lab.snapshots()
     result = _timed(outcome, "dry run", lambda: _run(lab, pyinfra_argv(inventory, "--dry", "--diff")))
     console.print(result.stderr + result.stdout, markup=False, highlight=False)
     if result.returncode != 0:
         raise RehearsalFailed(f"dry run failed (exit {result.returncode})")
-    if lab.fingerprints() != before:
+    changes = lab.changes(before, lab.snapshots())
+    if changes:
+        console.print("the dry run changed:\n" + "\n".join(changes), markup=False, highlight=False)
         raise RehearsalFailed("the dry run changed a host")
     console.print("[green]dry run: no host changed (fingerprints identical)[/]")
 

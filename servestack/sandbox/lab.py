@@ -43,6 +43,8 @@ STANDIN_SERVER_MODULE = "fake_sglang_server"
 # Host state that a deploy may touch: a dry run must leave every entry's listing unchanged.
 FINGERPRINT_PATHS = ("/usr/local", "/opt", "/etc", "/var/lib/servestack", "/var/cache/servestack",
                      "/var/log/cuda-installer.log")
+_SNAPSHOT = (f"find {' '.join(FINGERPRINT_PATHS)} -xdev -printf '%p %s %T@ %l %m\\n' 2>/dev/null | sort; "
+             "systemctl list-units --all --no-legend --plain")
 
 
 def gpu_spec(model: str | None = None, capability: str | None = None, driver: str | None = None,
@@ -213,13 +215,29 @@ class Lab:
         return subprocess.call(ssh[:ssh.index("ssh") + 1] + ["-t"] + ssh[ssh.index("ssh") + 1:])
 
     def fingerprint(self, host) -> str:
-        """A hash of every path, size, mtime and link target under the paths a deploy may touch."""
-        listing = (f"find {' '.join(FINGERPRINT_PATHS)} -xdev -printf '%p %s %T@ %l %m\\n' 2>/dev/null"
-                   " | sort | sha256sum; systemctl list-units --all --no-legend --plain | sha256sum")
-        return self.sandbox.exec(host, listing, check=True).stdout
+        """A hash of every path, size, mtime and link target under the paths a deploy may touch, and
+        of systemd's units and their states (`snapshot`, hashed on the host)."""
+        return self.sandbox.exec(host, f"{{ {_SNAPSHOT}; }} | sha256sum", check=True).stdout
 
     def fingerprints(self) -> dict[str, str]:
         return {host.name: self.fingerprint(host) for host in self.hosts}
+
+    def snapshot(self, host) -> str:
+        """What `fingerprint` hashes, as text: one line per path, then one per unit."""
+        return self.sandbox.exec(host, _SNAPSHOT, check=True).stdout
+
+    def snapshots(self) -> dict[str, str]:
+        return {host.name: self.snapshot(host) for host in self.hosts}
+
+    @staticmethod
+    def changes(before: dict[str, str], after: dict[str, str], limit: int = 12) -> list[str]:
+        """`host: - line` / `host: + line` for what differs between two `snapshots` (at most `limit`)."""
+        found = []
+        for name in before:
+            old, new = set(before[name].splitlines()), set(after.get(name, "").splitlines())
+            found += [f"{name}: - {line}" for line in sorted(old - new)]
+            found += [f"{name}: + {line}" for line in sorted(new - old)]
+        return found[:limit]
 
     def artifact_requests(self, status: int | None = None) -> dict[str, int]:
         """Requests per path the artifact server answered (with `status`, only those)."""

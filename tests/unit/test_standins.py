@@ -474,3 +474,14 @@ def test_dress_gpu_host(uv, tmp_path):
         "torch": "2.9.1+cu128", "torchvision": "0.24.1+cu128", "torchaudio": "2.9.1+cu128"}
     check = uv("pip", "check", "--python", venv / "bin/python")
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_changed_host_is_reported_by_the_lines_that_differ():
+    """A dry run that changes a host fails the rehearsal naming what changed, not only that something did."""
+    from servestack.sandbox.lab import Lab
+
+    before = {"h1": "/etc/a 1 10.0  644\n/etc/b 1 10.0  644\nsglang.service loaded active running", "h2": "/etc/a"}
+    after = {"h1": "/etc/a 1 10.0  644\n/etc/b 2 11.0  644\nsglang.service loaded active running", "h2": "/etc/a"}
+    assert Lab.changes(before, after) == ["h1: - /etc/b 1 10.0  644", "h1: + /etc/b 2 11.0  644"]
+    assert Lab.changes(before, before) == []
+    assert len(Lab.changes({"h": "\n".join(map(str, range(50)))}, {"h": ""}, limit=5)) == 5
