@@ -152,6 +152,8 @@ class PatchStates(FactBase):
     the package is not installed there.
     """
 
+    probe_background = True  # starts python, unless its memo holds (facts/probe.py)
+
     def command(
         self,
         python: str,

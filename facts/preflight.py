@@ -43,6 +43,8 @@ class HostPreflight(FactBase):
       the toolkit step's own fact in the same probe, so that they are read once per run
     """
 
+    probe_background = True  # starts nvidia-smi, df (facts/probe.py)
+
     def command(self, state_dir, install_path, keep_paths, link_path, files=(), disk_paths=(), toolkit=True):
         header = json.dumps({"install_path": install_path, "link_path": link_path, "toolkit": bool(toolkit)})
         sections = {

@@ -1,10 +1,13 @@
 """The host-state probe: many facts' commands in one remote command (servestack/probe.py uses it).
 
 A `ProbeRequest` is a list of facts (a `FactBase` class and its arguments). `HostProbe` runs each
-fact's own command, unchanged, in its own subshell (all at once), then prints their outputs framed
-by markers that carry each command's exit status; `split_probe_output` gives each fact its output lines back, and `FactRequest.value` turns
-them into the fact's value with the fact's own `process` / `default`, as pyinfra's `get_fact`
-would. So a fact has one definition whether it is read alone or in the probe.
+fact's own command, unchanged, in its own subshell, and prints their outputs framed by markers
+that carry each command's exit status: facts that start a slow program (a class attribute
+`probe_background = True`: nvidia-smi, nvcc, python, an HTTP request) all at once in the
+background, the others one after another meanwhile. `split_probe_output` gives each fact its
+output lines back, and `FactRequest.value` turns them into the fact's value with the fact's own
+`process` / `default`, as pyinfra's `get_fact` would. So a fact has one definition whether it is
+read alone or in the probe.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class FactRequest:
     def name(self) -> str:
         return self.cls.__name__
 
+    @property
+    def background(self) -> bool:
+        return bool(getattr(self.cls, "probe_background", False))
+
     def command(self, fact=None) -> str:
         """The fact's command as pyinfra runs it (with its `requires_command` guard); built once per
         request (a probe sizes, then sends it), unless `fact` is given (see `value`)."""
@@ -86,14 +93,23 @@ class ProbeRequest:
         return ", ".join(fact.name for fact in self.facts)
 
     def command(self) -> str:
-        """Every fact's command at once (each in a subshell, its framed output to a file of a private
-        temporary directory), then all the files: the probe takes as long as its slowest fact, not
-        their sum. The framing costs two forks per fact and no other program (each program started
-        costs a host ~1.5 ms of CPU, and a fleet's no-op converge is mostly such reads)."""
-        start = [f"{{ echo '{BEGIN}{index}'; ( {fact.command()}\n) </dev/null; "
-                 f"printf '\\n{END}{index} %s\\n' \"$?\"; }} >\"$d/{index}\" &"
-                 for index, fact in enumerate(self.facts)]
-        return "\n".join(["d=$(mktemp -d) || exit 1", *start, "wait", "cat \"$d\"/*", "rm -rf \"$d\"", "true"])
+        """The background facts' commands at once (each in a subshell, its framed output to a file of
+        a private temporary directory), meanwhile the others' one after another (each in a subshell,
+        its framed output straight out), then the files: the probe takes about as long as its
+        slowest fact. Framing costs a fork per fact (two and a file in the background) and no
+        other program (each program started costs a host ~1.5 ms of CPU, and a fleet's no-op
+        converge is mostly such reads); a fact that starts none costs less than a background fork."""
+        background = [index for index, fact in enumerate(self.facts) if fact.background]
+        lines = ["d=$(mktemp -d) || exit 1"] if background else []
+        lines += [f"{{ {self._framed(index)}; }} >\"$d/{index}\" &" for index in background]
+        lines += [self._framed(index) for index in range(len(self.facts)) if index not in background]
+        if background:
+            lines += ["wait", "cat \"$d\"/*", "rm -rf \"$d\""]
+        return "\n".join([*lines, "true"])
+
+    def _framed(self, index: int) -> str:
+        return (f"echo '{BEGIN}{index}'; ( {self.facts[index].command()}\n) </dev/null; "
+                f"printf '\\n{END}{index} %s\\n' \"$?\"")
 
 
 def split_requests(facts: list[FactRequest]) -> list[ProbeRequest]:

@@ -308,6 +308,8 @@ class CudaToolkits(FactBase):
     + files: runfile paths to stat (cached file, partial download, pre-staged file)
     """
 
+    probe_background = True  # starts nvcc (facts/probe.py)
+
     def command(self, install_path, keep_paths, link_path, state_dir, files=()):
         header = {"install_path": install_path, "link_path": link_path}
         return _with_header(header, toolkits_command(install_path, tuple(keep_paths), link_path,
@@ -400,6 +402,8 @@ class ToolkitFingerprint(FactBase):
     + path: toolkit root, e.g. /usr/local/cuda-12.8
     """
 
+    probe_background = True  # starts find, sort, sha256sum over the tree (facts/probe.py)
+
     def command(self, path):
         return _with_header({"path": path}, fingerprint_command(path))
 
@@ -448,6 +452,8 @@ class RunfileDigest(FactBase):
 
     + path: the runfile
     """
+
+    probe_background = True  # starts md5sum and sha256sum of a 4 GB file (facts/probe.py)
 
     def command(self, path):
         return _with_header({"path": path}, digest_command(path))

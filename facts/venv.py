@@ -74,6 +74,8 @@ class MlEnvState(FactBase):
     (operations/venv.py); an answer printed from the kept memo has no ``memo`` key.
     """
 
+    probe_background = True  # starts python, unless its memo holds (facts/probe.py)
+
     def command(self, venv_path, releases_dir, state_dir, uv, python="python3", packages=True):
         # packages=False skips running the active env's python (the slowest part) when not needed
         params = {"venv_path": venv_path, "releases_dir": releases_dir, "state_dir": state_dir, "uv": uv,
@@ -95,6 +97,8 @@ class MlEnvBackups(FactBase):
           "venv_path": "/opt/ml-env", "realpath": ..., "release": "r-..." or None,
           "python": "3.11.2", "packages": 143, "torch": "2.9.1+cu128", "reason": "before change"}]
     """
+
+    probe_background = True  # starts python (facts/probe.py)
 
     def command(self, state_dir, python="python3"):
         return guarded_tool_command(python, "backups", {"state_dir": state_dir})

@@ -33,6 +33,8 @@ class VerificationProbe(FactBase):
     + probe: a ``ProbeScript`` of a ``servestack.checks`` probe group (``host_script(settings)``, ...)
     """
 
+    probe_background = True  # starts nvidia-smi, nvcc, python, an HTTP request (facts/probe.py)
+
     def command(self, probe: ProbeScript) -> str:
         return probe.text
 

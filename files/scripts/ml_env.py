@@ -397,25 +397,44 @@ def step_files(entries, steps):
     return [(step, index or None, "\n".join(lines) + "\n") for (step, index), lines in sorted(groups.items())]
 
 
-def run(command, log, env, cwd=None, what=None):
+# uv can die from a crash signal after doing its work (SIGSEGV at exit, astral-sh/uv#21428, seen on
+# a 2-CPU CI machine); compile and the hash-locked installs are safe to repeat, so they get one retry.
+CRASH_SIGNALS = {11: "SIGSEGV", 7: "SIGBUS"}
+
+
+def run(command, log, env, cwd=None, what=None, retry_crash=False):
     import subprocess
     import time
-    log.write("$ %s\n" % " ".join(command))
-    log.flush()
-    started = time.monotonic()
-    result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    log.write("# exit %d after %.2f s\n" % (result.returncode, time.monotonic() - started))
-    log.flush()
+    for attempt in (1, 2):
+        log.write("$ %s\n" % " ".join(command))
+        log.flush()
+        started = time.monotonic()
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        log.write("# exit %d after %.2f s\n" % (result.returncode, time.monotonic() - started))
+        log.flush()
+        crash = CRASH_SIGNALS.get(-result.returncode)
+        if not (crash and retry_crash and attempt == 1):
+            break
+        log.write("# %s died from %s; running it once more\n" % (command[0], crash))
     if result.returncode != 0:
-        with open(log.name) as handle:
-            tail = [line.rstrip() for line in handle.readlines()[-12:] if line.strip()]
-        reason = tail[-1] if tail else "exit %d" % result.returncode
-        for line in tail:
-            if line.lstrip().lower().startswith(("error", "caused by", "×", "because")):
-                reason = line.strip()
-                break
-        raise Failure("%s failed (exit %d): %s; full log: %s" % (what or command[0], result.returncode,
-                                                                 reason, log.name))
+        raise Failure("%s failed (%s): %s; full log: %s" % (what or command[0], exit_text(result.returncode),
+                                                            failure_reason(log.name, result.returncode), log.name))
+
+
+def exit_text(returncode):
+    if returncode < 0:
+        return "killed by %s" % CRASH_SIGNALS.get(-returncode, "signal %d" % -returncode)
+    return "exit %d" % returncode
+
+
+def failure_reason(log_name, returncode):
+    """The log's first error-looking line among its last 12, else its last line."""
+    with open(log_name) as handle:
+        tail = [line.rstrip() for line in handle.readlines()[-12:] if line.strip()]
+    for line in tail:
+        if line.lstrip().lower().startswith(("error", "caused by", "×", "because")):
+            return line.strip()
+    return tail[-1] if tail else exit_text(returncode)
 
 
 def uv_environment(params):
@@ -470,7 +489,7 @@ def build(params, log):
     run([uv, "pip", "compile", "pyproject.toml", "--quiet", "--python", python, "--overrides",
          "overrides.txt", "--generate-hashes", "--emit-index-annotation", "--no-header",
          "--index-strategy", "first-index", "-o", "lock.txt"], log, env, cwd=directory,
-        what="resolving the lock (uv pip compile)")
+        what="resolving the lock (uv pip compile)", retry_crash=True)
     with open(os.path.join(directory, "lock.txt")) as handle:
         entries = parse_lock(handle.read())
     for number, (step, index, text) in enumerate(step_files(entries, params["steps"]), 1):
@@ -487,7 +506,7 @@ def build(params, log):
             command[3:3] = ["--default-index", index]
         else:
             command[3:3] = ["--no-index"]
-        run(command, log, env, what="install step %d (%s)" % (step, os.path.basename(path)))
+        run(command, log, env, what="install step %d (%s)" % (step, os.path.basename(path)), retry_crash=True)
     params["expect"]["lock"] = {entry["name"]: entry["version"] for entry in entries if entry["version"]}
     check_release(python, params, log)
     listed = env_packages(venv)

@@ -56,26 +56,55 @@ def test_each_output_reads_as_the_same_lines_as_the_command_run_alone(output):
     assert found == {0: (0, run_locally(f"printf '{output}'")), 1: (0, ["x"])}
 
 
-def test_the_probe_starts_no_program_per_fact(tmp_path):
-    """Framing a fact's output costs forks only: the programs a probe starts are its facts' own and
-    the two around them (mktemp, cat and rm)."""
+class Echo(Which):
+    def command(self, command):
+        return f"echo {command}"
+
+
+class BackgroundEcho(Echo):
+    probe_background = True
+
+
+def programs_started(tmp_path, request) -> tuple[dict, list[str]]:
+    """Run `request`'s probe with mktemp, cat, rm and tail logging each start: (its facts, the starts)."""
     (tmp_path / "bin").mkdir()
     log = tmp_path / "started"
+    log.write_text("")
     for name in ("mktemp", "cat", "rm", "tail"):
         real = subprocess.run(["sh", "-c", f"command -v {name}"], capture_output=True, text=True).stdout.strip()
         wrapper = tmp_path / "bin" / name
         wrapper.write_text(f"#!/bin/sh\necho {name} >> {log}\nexec {real} \"$@\"\n")
         wrapper.chmod(0o755)
-
-    class Echo(Which):
-        def command(self, command):
-            return f"echo {command}"
-
-    request = ProbeRequest(tuple(FactRequest.of(Echo, command=str(i)) for i in range(10)))
     lines = subprocess.run(["sh", "-c", HostProbe().command(request)], capture_output=True, text=True, check=True,
                            env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}).stdout.splitlines()
-    assert HostProbe().process(lines) == {i: (0, [str(i)]) for i in range(10)}
-    assert sorted(log.read_text().split()) == ["cat", "mktemp", "rm"]
+    return HostProbe().process(lines), sorted(log.read_text().split())
+
+
+def test_the_probe_starts_no_program_for_facts_that_start_none(tmp_path):
+    """Framing a fact's output costs forks only: ten facts that start no program start none."""
+    request = ProbeRequest(tuple(FactRequest.of(Echo, command=str(i)) for i in range(10)))
+    assert programs_started(tmp_path, request) == ({i: (0, [str(i)]) for i in range(10)}, [])
+
+
+def test_background_facts_cost_mktemp_cat_and_rm_once(tmp_path):
+    request = ProbeRequest(tuple(FactRequest.of(BackgroundEcho if i % 3 == 0 else Echo, command=str(i))
+                                 for i in range(10)))
+    assert programs_started(tmp_path, request) == ({i: (0, [str(i)]) for i in range(10)}, ["cat", "mktemp", "rm"])
+
+
+def test_background_facts_run_together_and_beside_the_others(tmp_path):
+    """Each background fact waits (up to 10 s) for a file that a later fact creates: the probe ends
+    with every fact done only if the background ones run at once and the others meanwhile."""
+    def waits_for(name):
+        path = tmp_path / name
+        return f"i=0; while [ ! -e {path} ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; test -e {path} && echo saw"
+
+    request = ProbeRequest((FactRequest.of(BackgroundEcho, command=f"x; {waits_for('from-background')}"),
+                            FactRequest.of(BackgroundEcho, command=f"y; {waits_for('from-foreground')}; "
+                                                                   f"touch {tmp_path / 'from-background'}"),
+                            FactRequest.of(Echo, command=f"z; touch {tmp_path / 'from-foreground'}; exit 5")))
+    found = HostProbe().process(run_locally(HostProbe().command(request)))
+    assert found == {0: (0, ["x", "saw"]), 1: (0, ["y", "saw"]), 2: (5, ["z"])}
 
 
 def test_a_failing_command_is_reported_with_its_status():

@@ -199,6 +199,49 @@ def test_a_command_that_outlives_its_timeout_gives_nothing(tmp_path):
     assert time.monotonic() - started < 10
 
 
+# A uv stand-in that kills itself with SIGSEGV while `crashes` marker files remain, then works.
+CRASHING_UV = """
+for marker in {markers}; do
+    if [ -e "$marker" ]; then rm "$marker"; echo "installed everything"; kill -SEGV $$; fi
+done
+echo "installed everything"
+"""
+
+
+def crashing_uv(tmp_path, crashes):
+    markers = [tmp_path / f"crash-{number}" for number in range(crashes)]
+    for marker in markers:
+        marker.touch()
+    return fake_uv(tmp_path / "uv", CRASHING_UV.format(markers=" ".join(map(str, markers)))), markers
+
+
+def test_a_uv_step_killed_by_a_crash_signal_runs_once_more(tmp_path):
+    uv, markers = crashing_uv(tmp_path, crashes=1)
+    with open(tmp_path / "build.log", "w") as log:
+        ml_env.run([uv, "pip", "install"], log, dict(os.environ), what="install step 1", retry_crash=True)
+    text = (tmp_path / "build.log").read_text()
+    assert not any(marker.exists() for marker in markers)
+    assert text.count("$ " + uv) == 2 and f"# {uv} died from SIGSEGV; running it once more" in text
+    assert text.rstrip().splitlines()[-1].startswith("# exit 0 after")
+
+
+def test_a_second_crash_fails_the_step_and_names_the_signal(tmp_path):
+    uv, _ = crashing_uv(tmp_path, crashes=2)
+    with open(tmp_path / "build.log", "w") as log, pytest.raises(ml_env.Failure) as failure:
+        ml_env.run([uv, "pip", "install"], log, dict(os.environ), what="install step 1", retry_crash=True)
+    assert str(failure.value).startswith("install step 1 failed (killed by SIGSEGV): ")
+    assert (tmp_path / "build.log").read_text().count("$ " + uv) == 2
+
+
+@pytest.mark.parametrize("body, retried", [("kill -SEGV $$", False), ("exit 3", True)])
+def test_only_a_crash_in_a_retryable_step_is_retried(tmp_path, body, retried):
+    """`uv venv` (retry_crash=False) is not repeated, nor is an ordinary failure of any step."""
+    uv = fake_uv(tmp_path / "uv", body)
+    with open(tmp_path / "build.log", "w") as log, pytest.raises(ml_env.Failure):
+        ml_env.run([uv, "venv"], log, dict(os.environ), retry_crash=retried)
+    assert (tmp_path / "build.log").read_text().count("$ " + uv) == 1
+
+
 def test_backup_without_environment_writes_nothing(host):
     code, result, _ = run_tool("backup", {**host, "keep": 5})
     assert code == 0 and result["written"] is None
