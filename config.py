@@ -9,7 +9,7 @@ cheaper for the controller (servestack/stackorder.py, servestack/argcache.py).
 
 from pyinfra import state
 
-from servestack.argcache import cache_global_arguments
+from servestack.argcache import cache_global_arguments, fast_host_defaults
 from servestack.preconnect import validate_after_inventory_load
 from servestack.sshtune import enable_tcp_nodelay
 from servestack.stackorder import use_frame_order
@@ -18,3 +18,4 @@ validate_after_inventory_load(state)
 enable_tcp_nodelay()
 use_frame_order()
 cache_global_arguments()
+fast_host_defaults()
