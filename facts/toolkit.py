@@ -121,6 +121,16 @@ class ToolkitState:
     record_invalid: bool = False
     marker: dict | None = None                        # an install in progress (toolkit-install.json)
     files: dict = field(default_factory=dict)         # path -> FileStat | None
+    lines: tuple[str, ...] = field(default=(), compare=False, repr=False)  # as read (see `section_lines`)
+
+    def section_lines(self, section: str) -> tuple[str, ...]:
+        """The lines `tree_command(install_path, "tree")` ("tree") or `link_chain_command` ("link")
+        printed in this read: what a script running the same command would print now, while
+        nothing changed the toolkit (servestack/checks.py's host script replays them)."""
+        return tuple(line for line in self.lines if line.startswith(_SECTION_PREFIXES[section]))
+
+
+_SECTION_PREFIXES = {"tree": ("tree_",), "link": ("hop ", "link_kind ", "link_resolved ")}
 
 
 def record_path(state_dir: str) -> str:
@@ -283,6 +293,7 @@ def parse_toolkits(install_path: str, link_path: str, lines: list[str]) -> Toolk
         record_invalid=record_invalid,
         marker=marker,
         files=parse_stats(lines),
+        lines=tuple(lines),
     )
 
 

@@ -15,7 +15,9 @@ runs only the cheap checks live. `verify_reuse=False` runs every check live on e
 
 The GPU section is the one preflight read in this run, replayed into the host script, instead of
 asking nvidia-smi a second time (it wakes the driver for every GPU); servestack never touches the
-driver or the GPUs, and a step that drops every read makes the script ask nvidia-smi itself.
+driver or the GPUs, and a step that drops every read makes the script ask nvidia-smi itself. The
+toolkit tree and the /usr/local/cuda link chain are replayed the same way from the toolkit step's
+read (the same commands), unless that step changed something.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from pyinfra import host, logger
 from pyinfra.api import StringCommand, deploy, operation
 
 from facts.preflight import HostPreflight
+from facts.toolkit import CudaToolkits
 from facts.probe import FactRequest
 from facts.verify import ProbeScript, VerificationProbe, VerificationRecord
 from operations.preflight import preflight_fact_arguments
+from operations.toolkit import toolkit_fact_arguments
 from servestack import checks
 from servestack import probe as host_probe
 from servestack.hostrun import keep
@@ -65,15 +69,23 @@ def group_script(settings: Settings, group: str, probe: checks.Probe | None = No
     if group == "patches":
         return checks.patches_script(settings, checks.patch_record_for(probe) if probe else None)
     if group == "host":
-        return checks.host_script(settings, gpu_output=_gpu_output_read_by_preflight(target or host, settings))
+        return checks.host_script(settings, replay=_read_in_this_run(target or host, settings))
     return checks.SCRIPTS[group](settings)
 
 
-def _gpu_output_read_by_preflight(target, settings: Settings) -> tuple[str, ...] | None:
-    """The GPU section preflight read in this run, while the host's reads are still current (nothing
-    changed since, or nothing that drops them: servestack never touches the driver or the GPUs)."""
+def _read_in_this_run(target, settings: Settings) -> dict[str, tuple[str, ...]]:
+    """Host sections this run already read with the same commands, while those reads are still
+    current: the GPUs as preflight read them (nothing drops that read: servestack never touches
+    the driver or the GPUs), the toolkit tree and link as the toolkit step read them (dropped when
+    the step changed anything, then read live)."""
+    read: dict[str, tuple[str, ...]] = {}
     preflight = host_probe.cached(target, HostPreflight, **preflight_fact_arguments(settings))
-    return preflight.gpu_output if preflight is not None and preflight.gpu_output else None
+    if preflight is not None and preflight.gpu_output:
+        read["gpu"] = preflight.gpu_output
+    toolkits = host_probe.cached(target, CudaToolkits, **toolkit_fact_arguments(settings))
+    if toolkits is not None:
+        read.update((section, toolkits.section_lines(section)) for section in ("tree", "link"))
+    return read
 
 
 def _request(settings: Settings, group: str, probe: checks.Probe | None = None, target=None) -> FactRequest:

@@ -25,7 +25,7 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from packaging.version import InvalidVersion, Version
 
@@ -231,23 +231,29 @@ def _service_sections(settings: Settings) -> list[str]:
     ]
 
 
-def host_script(settings: Settings, gpu_output: tuple[str, ...] | None = None) -> str:
+def host_script(settings: Settings, replay: Mapping[str, tuple[str, ...]] | None = None) -> str:
     """One shell script reading everything the host-group checks need.
 
-    `gpu_output`: the output of `gpu_command()` as this run already read it (the deploy's preflight):
-    the script prints it instead of asking nvidia-smi again, which on a GPU host is the slowest
-    read of all (it wakes the driver for every GPU)."""
+    `replay`: sections this run already read with the same command, {"gpu": the output of
+    `gpu_command()` (the deploy's preflight), "tree" / "link": the toolkit step's read}, printed
+    as read instead of read again: nvidia-smi is the slowest read of all on a GPU host (it wakes
+    the driver for every GPU), and the toolkit's sections start nvcc and readlink."""
     cuda = settings.cuda_install_path
     venv = _q(settings.venv_path)
     records = " ".join(PATCH_RECORDS)
+    replay = replay or {}
+
+    def read(name: str, command: str) -> str:
+        return _section(name, _replay(replay[name]) if replay.get(name) else command)
+
     parts = [
         _PRELUDE,
-        _section("gpu", gpu_command() if gpu_output is None else _replay(gpu_output)),
+        read("gpu", gpu_command()),
         _section("device_nodes", "ls -d /dev/nvidiactl /dev/nvidia[0-9]* 2>/dev/null; true"),
-        _section("tree", tree_command(cuda, "tree")),
+        read("tree", tree_command(cuda, "tree")),
         _section("toolkit_package", f"set -- {_q(cuda + '/bin/nvcc')}; {_PACKAGE_OWNER}"),
         _section("toolkit_path", f"readlink -f {_q(cuda)}"),
-        _section("link", link_chain_command(settings.manifest.cuda["link_path"])),
+        read("link", link_chain_command(settings.manifest.cuda["link_path"])),
         _section("record", f"cat {_q(toolkits_record_path(settings.servestack_state_dir))}"),
         *[_section(f"kept_{index}", fingerprint_command(path))
           for index, path in enumerate(kept_toolkit_paths(settings))],

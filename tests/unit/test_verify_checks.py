@@ -149,12 +149,40 @@ def test_the_host_script_replays_the_gpu_output_preflight_read_instead_of_asking
     assert read.gpu_output and read.gpu.gpus
     live = parse_sections(h200.run(checks.host_script(settings)))
     write_script(h200.bin / "nvidia-smi", "#!/bin/sh\necho asked >&2; exit 9\n")  # must not be run
-    replayed = parse_sections(h200.run(checks.host_script(settings, gpu_output=read.gpu_output)))
+    replayed = parse_sections(h200.run(checks.host_script(settings, replay={"gpu": read.gpu_output})))
     assert replayed["gpu"] == live["gpu"]
     assert "asked" not in replayed["gpu"].text
     probe = Probe("h200")
     probe.sections.update(replayed)
     assert outcome("gpu_capability", settings, probe).passed
+
+
+def test_the_host_script_replays_the_toolkit_tree_and_link_the_toolkit_step_read(h200):
+    """The toolkit step's read (CudaToolkits) ran the same commands: same sections, same state digest
+    and judgements, and neither nvcc nor readlink runs again."""
+    from facts.toolkit import CudaToolkits
+    from operations.toolkit import toolkit_fact_arguments
+
+    settings = h200.settings()
+    h200.record(settings, link_resolved=str(h200.cuda))
+    arguments = toolkit_fact_arguments(settings)
+    read = CudaToolkits().process(h200.run(CudaToolkits().command(**arguments)).splitlines())
+    live = parse_sections(h200.run(checks.host_script(settings)))
+    started = h200.root / "started"
+    h200.nvcc(h200.cuda, "")
+    write_script(h200.cuda / "bin" / "nvcc", f"#!/bin/sh\necho nvcc >> {started}; exit 9\n")
+    write_script(h200.bin / "readlink", f"#!/bin/sh\necho readlink >> {started}; exec /bin/readlink \"$@\"\n")
+    replay = {section: read.section_lines(section) for section in ("tree", "link")}
+    replayed = parse_sections(h200.run(checks.host_script(settings, replay=replay)))
+    assert {name: replayed[name] for name in ("tree", "link")} == {name: live[name] for name in ("tree", "link")}
+    assert "nvcc" in live["tree"].text and "link_resolved" in live["link"].text
+    assert started.read_text().split() == ["readlink"]  # toolkit_path's own readlink -f, nothing else
+    judged = []
+    for sections in (live, replayed):
+        probe = Probe("h200")
+        probe.sections.update(sections)
+        judged.append([outcome(name, settings, probe) for name in ("nvcc_version", "version_json", "cuda_link")])
+    assert judged[0] == judged[1] and judged[0][0].passed and judged[0][2].passed
 
 
 # --- GPU: the real H200's nvidia-smi ------------------------------------------------------
