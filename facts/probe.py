@@ -48,7 +48,11 @@ class FactRequest:
 
     @property
     def key(self) -> str:
-        return f"{self.cls.__module__}.{self.cls.__name__}({json.dumps(self.kwargs, default=_keyable)})"
+        """Computed once per request (every read of the probe's cache asks for it)."""
+        if "_key" not in self.__dict__:
+            object.__setattr__(self, "_key", f"{self.cls.__module__}.{self.cls.__name__}"
+                                             f"({json.dumps(self.kwargs, default=_keyable)})")
+        return self.__dict__["_key"]
 
     @property
     def name(self) -> str:
