@@ -43,8 +43,12 @@ STANDIN_SERVER_MODULE = "fake_sglang_server"
 # Host state that a deploy may touch: a dry run must leave every entry's listing unchanged.
 FINGERPRINT_PATHS = ("/usr/local", "/opt", "/etc", "/var/lib/servestack", "/var/cache/servestack",
                      "/var/log/cuda-installer.log")
+# The unit types a deploy may touch. Not mounts: systemd lists a service's /run/credentials mount
+# some time after booting finished (seen: systemd-tmpfiles-setup's, seconds after
+# `is-system-running` said "running"), which made "a dry run changed a host" fail at random.
+FINGERPRINT_UNIT_TYPES = "service,socket,timer,path"
 _SNAPSHOT = (f"find {' '.join(FINGERPRINT_PATHS)} -xdev -printf '%p %s %T@ %l %m\\n' 2>/dev/null | sort; "
-             "systemctl list-units --all --no-legend --plain")
+             f"systemctl list-units --all --no-legend --plain --type={FINGERPRINT_UNIT_TYPES}")
 
 
 def gpu_spec(model: str | None = None, capability: str | None = None, driver: str | None = None,

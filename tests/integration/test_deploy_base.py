@@ -37,3 +37,25 @@ def test_the_whole_deploy_converges_as_a_sudo_user_and_then_changes_nothing(lab)
     owner = the_lab.exec(the_lab.hosts[0], "stat -c %U /usr/local/cuda-13.0/bin/nvcc; readlink /opt/ml-env",
                          check=True).stdout.split()
     assert owner[0] == "root" and owner[1].startswith("/opt/servestack/releases/r-")
+
+
+def test_the_fingerprint_sees_files_and_services_not_systemds_own_mounts(lab):
+    """What "a dry run changed a host" compares: files a deploy may touch and service units. A mount
+    systemd lists whenever it gets to it (a service's /run/credentials, late after boot) is not in it."""
+    the_lab = lab(1)
+    host = the_lab.hosts[0]
+    before = the_lab.fingerprint(host)
+    the_lab.exec(host, "mkdir -p /run/fingerprint-test && mount -t tmpfs none /run/fingerprint-test", check=True)
+    try:
+        listed = the_lab.exec(host, "for i in $(seq 50); do systemctl list-units --all --no-legend --plain "
+                                    "--type=mount | grep -q /run/fingerprint-test && exit 0; sleep 0.2; done; exit 1")
+        assert listed.returncode == 0, "systemd never listed the mount"
+        assert the_lab.fingerprint(host) == before
+    finally:
+        the_lab.exec(host, "umount /run/fingerprint-test", check=True)
+    the_lab.exec(host, "systemd-run --quiet --unit=fingerprint-test --remain-after-exit true", check=True)
+    try:
+        assert the_lab.fingerprint(host) != before
+    finally:
+        the_lab.exec(host, "systemctl stop fingerprint-test", check=True)
+    assert the_lab.fingerprint(host) == before
