@@ -86,8 +86,21 @@ def pyinfra(lab: Lab, hosts: list[str], *args: str, timeout: int = 3600) -> tupl
         before, after = hosts_before.get(name), hosts_after.get(name)
         if before is not None and after is not None:
             counts.setdefault(name, {})["cpu_ms"] = (after - before) // 1000
-    counts["controller"] = {"cpu_s": round(cpu_after - cpu_before, 3)}
+    startup = counts.pop("_startup_cpu_s", None)
+    counts["controller"] = {"cpu_s": round(cpu_after - cpu_before, 3), "startup_cpu_s": startup}
     return elapsed, counts, result
+
+
+def cpu_floor_s(counts: dict, hosts: list[str]) -> float | None:
+    """The least wall time this run's CPU allows here: the start-up runs alone, then the controller's
+    other CPU time and every host's share this machine's CPUs (see README.md)."""
+    controller = counts.get("controller", {})
+    cpu = [counts.get(name, {}).get("cpu_ms") for name in hosts]
+    if controller.get("startup_cpu_s") is None or controller.get("cpu_s") is None or None in cpu:
+        return None
+    startup = controller["startup_cpu_s"]
+    shared = controller["cpu_s"] - startup + sum(cpu) / 1000
+    return round(startup + shared / (os.cpu_count() or 1), 3)
 
 
 def changes(result: subprocess.CompletedProcess) -> int:
@@ -114,7 +127,9 @@ def per_host(counts: dict, hosts: list[str]) -> dict:
     cpu = [counts[name]["cpu_ms"] for name in hosts if "cpu_ms" in counts.get(name, {})]
     return {"commands_max": max(commands), "commands_min": min(commands), "transfers_max": max(transfers),
             "host_cpu_ms": round(statistics.mean(cpu)) if cpu else None,
-            "controller_cpu_s": counts.get("controller", {}).get("cpu_s")}
+            "controller_cpu_s": counts.get("controller", {}).get("cpu_s"),
+            "controller_startup_cpu_s": counts.get("controller", {}).get("startup_cpu_s"),
+            "cpu_floor_s": cpu_floor_s(counts, hosts)}
 
 
 def timed_run(lab: Lab, hosts: list[str], mode: str) -> tuple[float, dict]:
@@ -162,23 +177,25 @@ def ratios(rows: list[dict]) -> dict:
                 out[f"{mode} {size}/{smallest}"] = round(row["median_s"] / base["median_s"], 2)
                 paired = [t / b for t, b in zip(row["times_s"], base["times_s"])]
                 out[f"{mode} {size}/{smallest} paired"] = round(statistics.median(paired), 2)
+                if row.get("cpu_floor_s"):
+                    out[f"{mode} {size}/{smallest} CPU floor"] = round(row["cpu_floor_s"] / base["median_s"], 2)
     return out
 
 
 def show(rows: list[dict], out: dict) -> None:
     table = Table(title=f"no-op converge and dry run of a converged fleet ({out['commit']}, {out['utc']})")
     for column in ("mode", "hosts", "median s", "runs s", "remote commands / host", "transfers / host",
-                   "host CPU ms / host", "controller CPU s"):
+                   "host CPU ms / host", "controller CPU s", "CPU floor s"):
         table.add_column(column)
     for row in rows:
         spread = f"{row['commands_min']}-{row['commands_max']}" if row["commands_min"] != row["commands_max"] \
             else str(row["commands_max"])
         table.add_row(row["mode"], str(row["hosts"]), f"{row['median_s']:.2f}",
                       " ".join(f"{t:.2f}" for t in row["times_s"]), spread, str(row["transfers_max"]),
-                      str(row.get("host_cpu_ms")), str(row.get("controller_cpu_s")))
+                      str(row.get("host_cpu_ms")), str(row.get("controller_cpu_s")), str(row.get("cpu_floor_s")))
     console.print(table)
     console.print(f"(the hosts share this machine's {out['cpus']} CPUs with the controller: CPU columns of the "
-                  "median run)")
+                  "median run; its CPU floor: start-up + the rest of its CPU time / CPUs)")
     for name, value in out["ratios"].items():
         console.print(f"ratio {name}: {value:.2f}x")
 

@@ -7,8 +7,10 @@ CLI: every `run_shell_command` is one remote command (one SSH exec channel: fact
 commands, the commands pyinfra runs around uploads) and every `put_file` / `get_file` one file
 transfer (SFTP). Counting at the connector counts exactly what goes over the wire, whatever the
 deploy's code does, and does not depend on log formats. The counts are written as JSON
-({host: {"commands": n, "transfers": n}}) when pyinfra exits. BENCH_COMMAND_TEXTS=DIR also keeps
-each command's whole text (DIR/NNN-host.sh), for tests that look at what was sent.
+({host: {"commands": n, "transfers": n}}) when pyinfra exits, with "_startup_cpu_s": the CPU time
+the process had used when pyinfra began connecting to hosts (imports, inventory, config: the same
+for any number of hosts). BENCH_COMMAND_TEXTS=DIR also keeps each command's whole text
+(DIR/NNN-host.sh), for tests that look at what was sent.
 """
 
 from __future__ import annotations
@@ -56,10 +58,29 @@ def install() -> None:
     SSHConnector._get_file = _counted(SSHConnector._get_file, "transfers")
 
 
+def note_startup_cpu() -> None:
+    """Keep the process's CPU time at the moment pyinfra's CLI starts connecting to the hosts."""
+    from pyinfra_cli import cli
+
+    connect_all = cli.connect_all
+
+    def connect_all_noted(*args, **kwargs):
+        times = os.times()
+        STARTUP["cpu_s"] = round(times.user + times.system, 3)
+        return connect_all(*args, **kwargs)
+
+    cli.connect_all = connect_all_noted
+
+
+STARTUP: dict = {}
+
+
 def main() -> int:
     counts_path = sys.argv.pop(1)
     install()
-    atexit.register(lambda: open(counts_path, "w").write(json.dumps(COUNTS, sort_keys=True)))
+    note_startup_cpu()
+    atexit.register(lambda: open(counts_path, "w").write(
+        json.dumps({**COUNTS, "_startup_cpu_s": STARTUP.get("cpu_s")}, sort_keys=True)))
     sys.argv[0] = "pyinfra"
     from pyinfra_cli.main import main as pyinfra_main
     return pyinfra_main()
