@@ -125,8 +125,6 @@ def parse_gpu_output(lines: list[str]) -> GpuReport:
 class NvidiaGpus(FactBase):
     """The host's GPUs and NVIDIA driver version (see `GpuReport`); never fails."""
 
-    probe_background = True  # starts nvidia-smi (facts/probe.py)
-
     def command(self) -> str:
         return gpu_command()
 

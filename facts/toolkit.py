@@ -413,8 +413,6 @@ class ToolkitFingerprint(FactBase):
     + path: toolkit root, e.g. /usr/local/cuda-12.8
     """
 
-    probe_background = True  # starts find, sort, sha256sum over the tree (facts/probe.py)
-
     def command(self, path):
         return _with_header({"path": path}, fingerprint_command(path))
 
@@ -463,8 +461,6 @@ class RunfileDigest(FactBase):
 
     + path: the runfile
     """
-
-    probe_background = True  # starts md5sum and sha256sum of a 4 GB file (facts/probe.py)
 
     def command(self, path):
         return _with_header({"path": path}, digest_command(path))

@@ -98,8 +98,6 @@ class MlEnvBackups(FactBase):
           "python": "3.11.2", "packages": 143, "torch": "2.9.1+cu128", "reason": "before change"}]
     """
 
-    probe_background = True  # starts python (facts/probe.py)
-
     def command(self, state_dir, python="python3"):
         return guarded_tool_command(python, "backups", {"state_dir": state_dir})
 

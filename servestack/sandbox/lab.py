@@ -220,7 +220,8 @@ class Lab:
 
     def fingerprint(self, host) -> str:
         """A hash of every path, size, mtime and link target under the paths a deploy may touch, and
-        of systemd's units and their states (`snapshot`, hashed on the host)."""
+        of the states of the systemd units of the types a deploy may touch (`snapshot`, hashed on
+        the host)."""
         return self.sandbox.exec(host, f"{{ {_SNAPSHOT}; }} | sha256sum", check=True).stdout
 
     def fingerprints(self) -> dict[str, str]:
