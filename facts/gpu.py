@@ -52,9 +52,11 @@ def gpu_command() -> str:
         "if command -v nvidia-smi >/dev/null 2>&1; then "
         f"if command -v timeout >/dev/null 2>&1; then t='timeout {SMI_TIMEOUT_S}'; else t=''; fi; "
         f"out=$($t nvidia-smi --query-gpu={fields} --format=csv,noheader 2>&1); rc=$?; "
-        'echo "smi_exit $rc"; printf "%s\\n" "$out" | sed "s/^/smi /"; '
+        # the prefixes with builtins (no sed): this runs on every converge
+        'echo "smi_exit $rc"; printf "%s\\n" "$out" | while IFS= read -r l; do printf "smi %s\\n" "$l"; done; '
         "else echo smi_missing; fi; "
-        "if [ -r /proc/driver/nvidia/version ]; then sed 's/^/proc /' /proc/driver/nvidia/version; fi; "
+        "if [ -r /proc/driver/nvidia/version ]; then while IFS= read -r l || [ -n \"$l\" ]; do "
+        "printf 'proc %s\\n' \"$l\"; done < /proc/driver/nvidia/version; fi; "
         "true"
     )
 

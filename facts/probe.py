@@ -80,6 +80,22 @@ class FactRequest:
                        f"else echo '{_MISSING_COMMAND_MARKER}'; fi")
         return command
 
+    def parts(self) -> tuple[str, str] | None:
+        """(prelude, body) for a fact that reads something other facts read too (`probe_parts`, e.g.
+        one `systemctl show` for the unit's state and the verification script): the probe runs each
+        distinct prelude once, first, in its own shell (it only sets variables), then the body. None
+        when the fact has no such read; its command runs as pyinfra would run it."""
+        if "_parts" not in self.__dict__:
+            fact = self.cls()
+            split = fact.probe_parts(**dict(self.kwargs)) if hasattr(fact, "probe_parts") else None
+            object.__setattr__(self, "_parts", tuple(split) if split and split[0] else None)
+        return self.__dict__["_parts"]
+
+    def probe_command(self) -> str:
+        """The command as the probe runs it: its body after the shared preludes, or the whole command."""
+        parts = self.parts()
+        return parts[1] if parts else self.command()
+
     def value(self, lines: list[str]):
         """The fact's value from its output lines (its command exited 0), as `get_fact` makes it."""
         fact = self.cls()
@@ -97,14 +113,16 @@ class ProbeRequest:
         return ", ".join(fact.name for fact in self.facts)
 
     def command(self) -> str:
-        """The background facts' commands at once (each in a subshell, its framed output to a file of
-        a private temporary directory), meanwhile the others' one after another (each in a subshell,
-        its framed output straight out), then the files: the probe takes about as long as its
-        slowest fact. Framing costs a fork per fact (two and a file in the background) and no
-        other program (each program started costs a host ~1.5 ms of CPU, and a fleet's no-op
-        converge is mostly such reads); a fact that starts none costs less than a background fork."""
+        """The facts' shared reads (`FactRequest.parts`), then the background facts' commands at once
+        (each in a subshell, its framed output to a file of a private temporary directory),
+        meanwhile the others' one after another (each in a subshell, its framed output straight
+        out), then the files: the probe takes about as long as its slowest fact. Framing costs a
+        fork per fact (two and a file in the background) and no other program (each program
+        started costs a host ~1.5 ms of CPU, and a fleet's no-op converge is mostly such reads);
+        a fact that starts none costs less than a background fork."""
         background = [index for index, fact in enumerate(self.facts) if fact.background]
-        lines = ["d=$(mktemp -d) || exit 1"] if background else []
+        lines = list(dict.fromkeys(parts[0] for fact in self.facts if (parts := fact.parts())))
+        lines += ["d=$(mktemp -d) || exit 1"] if background else []
         lines += [f"{{ {self._framed(index)}; }} >\"$d/{index}\" &" for index in background]
         lines += [self._framed(index) for index in range(len(self.facts)) if index not in background]
         if background:
@@ -112,7 +130,7 @@ class ProbeRequest:
         return "\n".join([*lines, "true"])
 
     def _framed(self, index: int) -> str:
-        return (f"echo '{BEGIN}{index}'; ( {self.facts[index].command()}\n) </dev/null; "
+        return (f"echo '{BEGIN}{index}'; ( {self.facts[index].probe_command()}\n) </dev/null; "
                 f"printf '\\n{END}{index} %s\\n' \"$?\"")
 
 

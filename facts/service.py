@@ -9,13 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+from dataclasses import dataclass
 
 from pyinfra.api import FactBase
 from pyinfra.facts.server import Users
 
-# Properties read from `systemctl show`; the restart decision and the tests use them.
+# Properties read from `systemctl show`; the restart decision, the verification checks (the unit's
+# files: fragment and drop-ins) and the tests use them.
 UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "UnitFileState",
-                   "NeedDaemonReload", "FragmentPath", "InvocationID")
+                   "NeedDaemonReload", "FragmentPath", "DropInPaths", "InvocationID")
 
 
 class VenvTarget(FactBase):
@@ -103,18 +105,43 @@ def combine_digests(lines: list[str]) -> str | None:
     return hashlib.sha256(" ".join(entries).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class UnitShow:
+    """`systemctl show` of a unit's UNIT_PROPERTIES as a shell assignment: `$<var>` holds what it
+    printed (stderr too), `$<var>_rc` its exit status. The UnitState fact and the verification
+    host script both read it; in one probe command it runs once (facts/probe.py `probe_parts`).
+    The variable is named for the unit, so two units' reads never share it."""
+
+    unit: str
+
+    @property
+    def var(self) -> str:
+        return "svc_" + hashlib.sha256(self.unit.encode()).hexdigest()[:12]
+
+    @property
+    def assignment(self) -> str:
+        return (f"{self.var}=$(systemctl show --property={','.join(UNIT_PROPERTIES)} -- "
+                f"{shlex.quote(self.unit)} 2>&1 </dev/null); {self.var}_rc=$?")
+
+
 class UnitState(FactBase):
     """
     `systemctl show` properties of a unit, as a dict; ``{"SystemdRunning": "no"}`` where systemd
     is not the init system (containers, some cloud images).
 
     An unknown unit reports ``LoadState=not-found`` and ``ActiveState=inactive``.
+
+    + unit: the unit's name
     """
 
+    def probe_parts(self, unit: str) -> tuple[str, str]:
+        """(the shared `systemctl show` read, what this fact prints from it): see facts/probe.py."""
+        show = UnitShow(unit)
+        return show.assignment, (f"if [ -d /run/systemd/system ]; then [ ${show.var}_rc = 0 ] && "
+                                 f"printf '%s\\n' \"${show.var}\"; else echo SystemdRunning=no; fi; true")
+
     def command(self, unit: str) -> str:
-        properties = ",".join(UNIT_PROPERTIES)
-        return (f"if [ -d /run/systemd/system ]; then systemctl show --property={properties} -- "
-                f"{shlex.quote(unit)} 2>/dev/null || true; else echo SystemdRunning=no; fi")
+        return "\n".join(self.probe_parts(unit))
 
     def process(self, output):
         return parse_properties(output)
@@ -176,8 +203,9 @@ class UserAccount(Users):
 
     def command(self, user: str) -> str:
         quoted = shlex.quote(user)
-        return (f"ENTRY=$(getent passwd {quoted}); if [ -n \"$ENTRY\" ]; then "
-                f"echo \"$ENTRY|$(id -gn {quoted})|$(id -Gn {quoted})||\"; fi; true")
+        # `id -Gn` lists the primary group first: one `id` answers both (pyinfra runs `id -gn` too)
+        return (f"ENTRY=$(getent passwd {quoted}); if [ -n \"$ENTRY\" ]; then G=$(id -Gn {quoted}); "
+                f"echo \"$ENTRY|${{G%% *}}|$G||\"; fi; true")
 
 
 class PathOwner(FactBase):

@@ -214,7 +214,7 @@ def link_chain_command(path: str) -> str:
     p = _q(path)
     return (
         f"p={p}; n=0; while [ -L \"$p\" ] && [ $n -lt 16 ]; do t=$(readlink \"$p\"); "
-        "printf 'hop %s -> %s\\n' \"$p\" \"$t\"; case \"$t\" in /*) p=$t ;; *) p=$(dirname \"$p\")/$t ;; esac; "
+        "printf 'hop %s -> %s\\n' \"$p\" \"$t\"; case \"$t\" in /*) p=$t ;; *) p=${p%/*}/$t ;; esac; "
         "n=$((n+1)); done; "
         f"if [ -L {p} ] && [ ! -e {p} ]; then echo link_kind dangling; "
         f"elif [ -L {p} ]; then echo link_kind link; elif [ -d {p} ]; then echo link_kind directory; "

@@ -21,6 +21,7 @@ class ProbeScript:
 
     group: str
     text: str = field(repr=False)
+    prelude: str = field(default="", repr=False)  # a read it shares with other facts (facts/probe.py)
 
     def __str__(self) -> str:
         return self.group
@@ -35,8 +36,11 @@ class VerificationProbe(FactBase):
 
     probe_background = True  # starts nvidia-smi, nvcc, python, an HTTP request (facts/probe.py)
 
+    def probe_parts(self, probe: ProbeScript) -> tuple[str, str] | None:
+        return (probe.prelude, probe.text) if probe.prelude else None
+
     def command(self, probe: ProbeScript) -> str:
-        return probe.text
+        return f"{probe.prelude}\n{probe.text}" if probe.prelude else probe.text
 
     @staticmethod
     def default() -> dict[str, Section]:

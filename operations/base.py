@@ -18,6 +18,11 @@ def _expected_facts(host_) -> list[FactRequest]:
     return [FactRequest.of(Directory, path=host_settings(host_).servestack_state_dir)]
 
 
+# Read at prepare, also under -y: the execute stage starts from that read, so its first remote
+# read is the one preflight's lock take carries (servestack/probe.py `run_and_read_ahead`).
+probe.decides(Directory)
+
+
 @operation()
 def state_directory(path: str):
     """

@@ -289,10 +289,11 @@ class LockTake:
 
 
 def _take_lock(settings: Settings) -> LockTake:
-    """Take the host lock for this run now."""
+    """Take the host lock for this run now; the same remote command reads the host for the steps
+    (probe.run_and_read_ahead), under the lock."""
     state = host.state
     command = take_lock_command(settings.servestack_state_dir, run_id(state), controller_id(), run_started(state))
-    ok, stdout, stderr = run_remote(host, command)
+    ok, stdout, stderr = probe.run_and_read_ahead(host, command)
     path = lock_path(settings.servestack_state_dir)
     held = [line[5:] for line in stdout if line.startswith("held ")]
     if held:

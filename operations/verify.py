@@ -61,15 +61,14 @@ def is_reusable(check: checks.Check) -> bool:
     return any(group in REUSABLE_GROUPS for group in check.groups)
 
 
-def group_script(settings: Settings, group: str, probe: checks.Probe | None = None, target=None) -> str:
-    """A probe group's script as the deploy runs it: the HTTP probe asks /health only (the service
-    step's gate has just made a real request); the patch check reads the active release's record."""
+def group_script(settings: Settings, group: str, probe: checks.Probe | None = None) -> str:
+    """A probe group's script as the deploy runs it (but the host group's: `_request`): the HTTP
+    probe asks /health only (the service step's gate has just made a real request); the patch
+    check reads the active release's record."""
     if group == "http":
         return checks.http_script(settings, generate=False)
     if group == "patches":
         return checks.patches_script(settings, checks.patch_record_for(probe) if probe else None)
-    if group == "host":
-        return checks.host_script(settings, replay=_read_in_this_run(target or host, settings))
     return checks.SCRIPTS[group](settings)
 
 
@@ -89,8 +88,10 @@ def _read_in_this_run(target, settings: Settings) -> dict[str, tuple[str, ...]]:
 
 
 def _request(settings: Settings, group: str, probe: checks.Probe | None = None, target=None) -> FactRequest:
-    script = group_script(settings, group, probe, target)
-    return FactRequest.of(VerificationProbe, probe=ProbeScript(group, script))
+    if group == "host":  # its unit read is shared with the service step's (facts/probe.py)
+        prelude, script = checks.host_script_parts(settings, replay=_read_in_this_run(target or host, settings))
+        return FactRequest.of(VerificationProbe, probe=ProbeScript(group, script, prelude))
+    return FactRequest.of(VerificationProbe, probe=ProbeScript(group, group_script(settings, group, probe)))
 
 
 def read_probe(settings: Settings, groups: tuple[str, ...], probe: checks.Probe | None = None) -> checks.Probe:

@@ -30,7 +30,7 @@ from typing import Callable, Mapping
 from packaging.version import InvalidVersion, Version
 
 from facts.gpu import GpuReport, gpu_command, parse_gpu_output
-from facts.service import PATCH_RECORDS, UNIT_PROPERTIES, parse_properties, release_id_of
+from facts.service import PATCH_RECORDS, UnitShow, parse_properties, release_id_of
 from facts.toolkit import (Fingerprint, LinkChain, Tree, dpkg_may_own, fingerprint_command, link_chain_command,
                            parse_fingerprint, parse_json_object, parse_link_chain, parse_tree,
                            tree_command)
@@ -202,8 +202,14 @@ _PACKAGE_OWNER = (
 _PARENT = 'd=${r%/*}; d=${d:-/}'
 
 
+def _property(variable: str, name: str) -> str:
+    """Shell: set `variable` to property `name` of the `systemctl show` output held in $svc."""
+    return (f"case \"$svc\" in {name}=*|*\"\n\"{name}=*) {variable}=${{svc#*{name}=}}; "
+            f"{variable}=${{{variable}%%\"\n\"*}} ;; esac;")
+
+
 def _service_sections(settings: Settings) -> list[str]:
-    unit = _q(settings.service_name)
+    show = UnitShow(settings.service_name)
     names = sorted((set(PINNED_ENV) | set(settings.service_env)) - set(settings.service_secret_env))
     keep_env = _q("^(" + "|".join(names) + ")=")
     secret_names = "|".join(settings.service_secret_env)
@@ -212,8 +218,9 @@ def _service_sections(settings: Settings) -> list[str]:
     count_names = (f"$(printf '%s\\n' \"$u\" | grep -cE {name_pattern})" if secret_names else "0")
     return [
         _section("systemd", "test -d /run/systemd/system && echo running || echo 'not running'"),
-        # systemd is asked once: the service section prints the answer, service_process takes MainPID from it
-        f"svc=$(systemctl show --property={','.join(UNIT_PROPERTIES)} -- {unit} 2>&1 </dev/null); svc_rc=$?\n",
+        # systemd is asked once (the prelude, `host_script_parts`): the service section prints the
+        # answer, service_process takes MainPID from it, unit_secrets the unit's files
+        f"svc=${show.var}; svc_rc=${show.var}_rc\n",
         _section("service", "[ -z \"$svc\" ] || printf '%s\\n' \"$svc\"; exit $svc_rc"),
         _section("service_process",
                  "pid=; [ $svc_rc = 0 ] && case \"$svc\" in *MainPID=*) pid=${svc#*MainPID=}; pid=${pid%%[!0-9]*} ;; esac; "
@@ -221,9 +228,12 @@ def _service_sections(settings: Settings) -> list[str]:
                  "printf 'user\\t%s\\n' \"$(stat -c %U /proc/$pid)\"; "
                  f"tr '\\0' '\\n' < /proc/$pid/environ | grep -E {keep_env}{drop_secrets} | "
                  "while IFS= read -r l; do printf 'env\\t%s\\n' \"$l\"; done"),
+        # the unit as systemd reads it: its fragment and drop-ins (what `systemctl cat` prints,
+        # without asking systemd a second time)
         _section("unit_secrets",
-                 f"set -- {_q(secrets_file(settings))}; "
-                 f"u=$(systemctl cat -- {unit} 2>/dev/null) || exit 3; "  # the unit as systemd reads it, once
+                 f"set -- {_q(secrets_file(settings))}; [ $svc_rc = 0 ] || exit 3; f=; ds=; "
+                 f"{_property('f', 'FragmentPath')} {_property('ds', 'DropInPaths')} [ -n \"$f\" ] || exit 3; "
+                 "u=$(set -f; cat -- \"$f\" $ds) || exit 3; "
                  f"printf 'names\\t%s\\n' \"{count_names}\"; "
                  f"if [ -r \"$1\" ]; then printf 'values\\t%s\\n' \"$(printf '%s\\n' \"$u\" | "
                  f"{_SECRET_SCAN})\"; fi"),
@@ -238,6 +248,12 @@ def host_script(settings: Settings, replay: Mapping[str, tuple[str, ...]] | None
     `gpu_command()` (the deploy's preflight), "tree" / "link": the toolkit step's read}, printed
     as read instead of read again: nvidia-smi is the slowest read of all on a GPU host (it wakes
     the driver for every GPU), and the toolkit's sections start nvcc and readlink."""
+    return "\n".join(host_script_parts(settings, replay))
+
+
+def host_script_parts(settings: Settings, replay: Mapping[str, tuple[str, ...]] | None = None) -> tuple[str, str]:
+    """`host_script` as (prelude, the rest): the prelude is the unit's `systemctl show`, the read
+    the service step's UnitState fact makes too; in one probe command it runs once for both."""
     cuda = settings.cuda_install_path
     venv = _q(settings.venv_path)
     records = " ".join(PATCH_RECORDS)
@@ -251,25 +267,29 @@ def host_script(settings: Settings, replay: Mapping[str, tuple[str, ...]] | None
         read("gpu", gpu_command()),
         _section("device_nodes", "ls -d /dev/nvidiactl /dev/nvidia[0-9]* 2>/dev/null; true"),
         read("tree", tree_command(cuda, "tree")),
-        _section("toolkit_package", f"set -- {_q(cuda + '/bin/nvcc')}; {_PACKAGE_OWNER}"),
+        # only a toolkit without version.json is judged by its package (`version_json`): one from
+        # the runfile, the common case, skips the search through the package lists
+        _section("toolkit_package", f"[ -f {_q(cuda + '/version.json')} ] && exit 0; "
+                                    f"set -- {_q(cuda + '/bin/nvcc')}; {_PACKAGE_OWNER}"),
         _section("toolkit_path", f"readlink -f {_q(cuda)}"),
         read("link", link_chain_command(settings.manifest.cuda["link_path"])),
         _section("record", f"cat {_q(toolkits_record_path(settings.servestack_state_dir))}"),
         *[_section(f"kept_{index}", fingerprint_command(path))
           for index, path in enumerate(kept_toolkit_paths(settings))],
-        _section("release", f"test -d {venv} || exit 3; r=$(readlink -f {venv}); printf 'venv\\t%s\\n' \"$r\"; "
+        f"r=; if [ -d {venv} ]; then r=$(readlink -f {venv}); fi\n",  # the active release's venv, for both:
+        _section("release", "[ -n \"$r\" ] || exit 3; printf 'venv\\t%s\\n' \"$r\"; "
                             f"{_PARENT}; for f in {records}; do if [ -f \"$d/$f\" ]; then "
                             "printf 'record\\t%s\\n' \"$d/$f\"; fi; done"),
         # What a release's checks depend on beyond its path: its records' contents and when a package
         # was last added to or removed from its site-packages (operations/verify.py reuses results so).
-        _section("release_state", f"test -d {venv} || exit 3; r=$(readlink -f {venv}); "
+        _section("release_state", "[ -n \"$r\" ] || exit 3; "
                                   "stat -c '%n %Y' \"$r\"/lib/python3*/site-packages; "
                                   f"{_PARENT}; cd \"$d\" && for f in {records}; do "
                                   "if [ -f \"$f\" ]; then sha256sum \"$f\"; fi; done; true"),
         *_service_sections(settings),
         "exit 0\n",
     ]
-    return "".join(parts)
+    return UnitShow(settings.service_name).assignment, "".join(parts)
 
 
 _PYTHON_PROBE = r'''
@@ -393,8 +413,19 @@ print(MARK + json.dumps(out))
 '''
 
 
-# /health alone through curl, when the host has it: the same report as _HTTP_PROBE's for a tenth
-# of the CPU of starting Python (the deploy asks on every converge). $1: MARK, $2: base URL.
+# /health alone, as cheaply as the host allows (the deploy asks on every converge): bash's /dev/tcp
+# starts one small program, curl loads some thirty libraries (~10 ms of a host's CPU more), Python
+# more still. Each prints the same report as _HTTP_PROBE's. $1: MARK, $2: base URL, $3: address,
+# $4: port. The address is the host's own (check_url): loopback needs no connect timeout; another
+# of its addresses might sit behind a firewall that drops, so coreutils' timeout bounds it.
+_BASH_HEALTH = r"""trap '' PIPE
+exec 3<>"/dev/tcp/$3/$4" || { printf '%s{"base": "%s", "health_error": "cannot connect to %s port %s"}\n' "$1" "$2" "$3" "$4"; exit 0; }
+printf 'GET /health HTTP/1.0\r\nHost: %s\r\n\r\n' "$3" >&3
+IFS=' ' read -t 30 -r proto code rest <&3; rc=$?
+if [[ $proto == HTTP/* && $code == [1-9][0-9][0-9] ]]; then printf '%s{"base": "%s", "health": %s}\n' "$1" "$2" "$code"
+elif [ $rc -gt 128 ]; then printf '%s{"base": "%s", "health_error": "no answer within 30 s"}\n' "$1" "$2"
+else printf '%s{"base": "%s", "health_error": "no HTTP status line in the answer"}\n' "$1" "$2"; fi"""
+
 _CURL_HEALTH = r"""code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 30 "$2/health"); rc=$?
 case "$rc:$code" in
   0:[1-9][0-9][0-9]) printf '%s{"base": "%s", "health": %s}\n' "$1" "$2" "$code" ;;
@@ -404,15 +435,30 @@ case "$rc:$code" in
 esac"""
 
 
+def _health_address(url: str) -> tuple[str, str]:
+    """(address, port) of check_url's `http://<address>:<port>` (an IPv6 address without brackets)."""
+    address, _, port = url.removeprefix("http://").rpartition(":")
+    return address.strip("[]"), port
+
+
 def http_script(settings: Settings, generate: bool = True) -> str:
     """Ask the service for /health and (unless `generate` is False) a real /generate, from the host itself."""
     python = _q(venv_python(settings))
-    url = _q(check_url(settings))
+    url = check_url(settings)
     request = _q(json.dumps(GENERATE_REQUEST if generate else None))
     body = (f"p={python}; test -x \"$p\" || p=python3\n"
-            f"\"$p\" -I -c {_q(_HTTP_PROBE)} {_q(MARK)} {url} {request}")
+            f"\"$p\" -I -c {_q(_HTTP_PROBE)} {_q(MARK)} {_q(url)} {request}")
     if not generate:
-        body = f"if command -v curl >/dev/null 2>&1; then set -- {_q(MARK)} {url}\n{_CURL_HEALTH}\nelse {body}\nfi"
+        address, port = _health_address(url)
+        with_bash = "command -v bash >/dev/null 2>&1"
+        bash = f"bash -c {_q(_BASH_HEALTH)} bash \"$@\" 2>/dev/null"
+        if address not in ("127.0.0.1", "::1"):
+            with_bash += " && command -v timeout >/dev/null 2>&1"
+            bash = (f"timeout 35 {bash} || [ $? != 124 ] || "
+                    "printf '%s{\"base\": \"%s\", \"health_error\": \"no answer within 35 s\"}\\n' \"$1\" \"$2\"")
+        body = (f"set -- {_q(MARK)} {_q(url)} {_q(address)} {_q(port)}\n"
+                f"if {with_bash}; then {bash}\n"
+                f"elif command -v curl >/dev/null 2>&1; then\n{_CURL_HEALTH}\nelse {body}\nfi")
     return _PRELUDE + _section("http", body) + "exit 0\n"
 
 
@@ -972,7 +1018,7 @@ def service_secrets(settings: Settings, probe: Probe) -> Outcome:
     scan = parse_tabbed(section.text)
     problems = []
     if not section.ok:
-        problems.append(f"systemctl cat {settings.service_name} failed")
+        problems.append(f"cannot read the unit files of {settings.service_name}")
     if int((scan.get("names") or ["0"])[0] or 0):
         problems.append(f"the unit sets a secret variable ({', '.join(settings.service_secret_env)}) itself")
     if int((scan.get("values") or ["0"])[0] or 0):

@@ -23,7 +23,7 @@ from servestack.verify import load_inventory
 pytestmark = pytest.mark.integration
 
 COUNTER = ROOT / "bench" / "counting_pyinfra.py"
-MAX_NOOP_COMMANDS = 4     # prepare probe, execute probe, take and release the lock
+MAX_NOOP_COMMANDS = 3     # prepare probe, the lock's take with the execute stage's read, release
 MAX_DRY_COMMANDS = 2      # the probe before and after the planned release is known
 
 
@@ -64,6 +64,9 @@ def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
         assert counts["h1"]["commands"] <= MAX_NOOP_COMMANDS and counts["h1"]["transfers"] == 0, counts
         # preflight and the toolkit step share one read of the toolkits (nvcc, records, runfile stats)
         assert toolkit_reads(texts, host_settings(load_inventory(the_lab.inventory_path)[0])) == 1
+        # the execute stage reads the host in the command that takes the lock, after the take
+        take = [path.read_text() for path in texts.iterdir() if "echo taken" in path.read_text()]
+        assert len(take) == 1 and take[0].index("echo taken") < take[0].index("@@probe-begin"), take
     finally:
         shutil.rmtree(texts, ignore_errors=True)
     # the heavy checks (torch, the CUDA sample, the patch check) were recorded by the converge and reused

@@ -6,6 +6,7 @@ Fact commands run here are read-only (`sha256sum` of a temporary file, `cat /etc
 from __future__ import annotations
 
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 from pyinfra.facts.files import Sha256File
@@ -154,11 +155,20 @@ class FakeHost:
         self.state = FakeState()
         self.connector = object()
         self.probes = []
+        self.commands = []
+
+    current_op_global_arguments: dict = {}
 
     def get_fact(self, cls, **kwargs):
         assert cls is HostProbe
         self.probes.append([fact.name for fact in kwargs["request"].facts])
         return HostProbe().process(run_locally(HostProbe().command(kwargs["request"])))
+
+    def run_shell_command(self, command, **arguments):
+        self.commands.append(command)
+        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+        return done.returncode == 0, SimpleNamespace(stdout_lines=done.stdout.splitlines(),
+                                                     stderr_lines=done.stderr.splitlines())
 
 
 @pytest.fixture
@@ -245,3 +255,78 @@ def test_at_prepare_a_predicted_change_drops_nothing(providers):
     assert probe.cached(host, Groups) is not None
     probe.fact(host, Sha256File, path=str(providers / "f"))
     assert len(host.probes) == 1
+
+
+def test_the_lock_take_carries_the_execute_stages_read_in_its_own_command(providers):
+    """Under -y, prepare reads what the deploy functions decide on; at execute, the take of the lock
+    reads the rest in the same remote command (under the lock), and no step reads the host again."""
+    probe.decides(Groups)
+    host = FakeHost()
+    host.state.check_for_changes = False
+    probe.fact(host, Groups)
+    host.state.is_executing = True
+    ok, stdout, stderr = probe.run_and_read_ahead(host, "echo taken; echo generation 7")
+    assert (ok, stdout, stderr) == (True, ["taken", "generation 7"], [])
+    assert len(host.commands) == 1 and "echo taken" in host.commands[0]
+    assert probe.fact(host, Sha256File, path=str(providers / "f"))
+    probe.fact(host, VerificationProbe, probe=ProbeScript("g", "echo hi"))
+    assert host.probes == [["Groups"]] and len(host.commands) == 1, "a step read the host again"
+    assert probe.reads(host) == 1
+
+
+def test_a_refused_take_reads_nothing_and_keeps_its_own_output_and_status(providers):
+    host = FakeHost()
+    host.state.is_executing = True
+    ok, stdout, _ = probe.run_and_read_ahead(host, "echo 'held by run x'; exit 3")
+    assert (ok, stdout) == (False, ["held by run x"])
+    assert probe.cached(host, Groups) is None
+    probe.fact(host, Groups)
+    assert host.probes == [["Groups", "Sha256File", "VerificationProbe"]]
+
+
+def test_a_take_with_nothing_left_to_read_is_the_command_alone(providers):
+    host = FakeHost()
+    host.state.is_executing = True
+    probe.fact(host, Groups)
+    assert probe.run_and_read_ahead(host, "echo taken") == (True, ["taken"], [])
+    assert host.commands == ["echo taken"]
+
+
+class SharedRead(Which):
+    """Two facts reading the same thing: `$shared` is set by the prelude, which logs each run."""
+
+    def probe_parts(self, command):
+        log, label = command.split(":")
+        return f"shared=$(echo read >> {log}; echo value)", f"echo {label} $shared"
+
+    def command(self, command):
+        return "\n".join(self.probe_parts(command))
+
+
+def test_a_read_two_facts_share_runs_once_in_the_probe_and_each_reads_as_alone(tmp_path):
+    log = tmp_path / "reads"
+    request = ProbeRequest((FactRequest.of(SharedRead, command=f"{log}:a"),
+                            FactRequest.of(SharedRead, command=f"{log}:b"), FactRequest.of(Groups)))
+    found = HostProbe().process(run_locally(HostProbe().command(request)))
+    assert found[0] == (0, ["a value"]) and found[1] == (0, ["b value"]) and found[2][0] == 0
+    assert log.read_text() == "read\n"
+    assert run_locally(request.facts[0].command()) == ["a value"]
+
+
+def test_the_unit_state_reads_alike_alone_and_in_the_probe():
+    request = ProbeRequest((FactRequest.of(UnitState, unit="nothing-such.service"),))
+    found = HostProbe().process(run_locally(HostProbe().command(request)))
+    assert found[0] == (0, run_locally(request.facts[0].command()))
+
+
+def test_every_reader_gets_its_own_copy_of_a_value(providers):
+    host = FakeHost()
+    groups = probe.fact(host, Groups)
+    groups.clear()
+    assert probe.fact(host, Groups) and probe.cached(host, Groups), "a reader changed the cached value"
+    stage = probe._stage(host)
+    key = FactRequest.of(Groups).key
+    stage.values[key] = probe._freeze({"f": lambda: None})  # pickle cannot copy it: deepcopy does
+    value = probe.fact(host, Groups)
+    value.clear()
+    assert list(probe.fact(host, Groups)) == ["f"]

@@ -339,3 +339,22 @@ def test_only_model_paths_on_disk_are_checked_for_the_service_user():
         == ["/models/k", "/models/d"]
     assert service.local_model_paths(settings(service_model_path="/models/k", service_speculative_algorithm="NONE",
                                               service_draft_model_path="/models/d")) == ["/models/k"]
+
+
+def test_the_user_account_fact_reads_as_pyinfras_users_with_one_id_call():
+    """Each local account, as the old three-program command read it (getent, id -gn, id -Gn)."""
+    import subprocess
+
+    from facts.service import UserAccount
+
+    def run(command: str) -> list[str]:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout.splitlines()
+
+    users = [line.split(":")[0] for line in run("getent passwd")][:40]
+    for user in users:
+        old = run(f"e=$(getent passwd {user}); echo \"$e|$(id -gn {user})|$(id -Gn {user})||\"")
+        command = UserAccount().command(user)
+        assert run(command) == old, user
+        assert UserAccount().process(run(command)) == UserAccount().process(old)
+    assert "id -gn" not in UserAccount().command("root")
+    assert run(UserAccount().command("no-such-user-servestack")) == []

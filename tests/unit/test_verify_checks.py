@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -257,6 +258,18 @@ def test_a_toolkit_assembled_from_nvidia_wheels_is_recognised_by_their_dist_info
     assert result.passed and "toolkit from wheel package nvidia-cuda-nvcc 13.0.88;" in result.detail
 
 
+def test_a_toolkit_with_version_json_is_not_looked_up_in_the_package_lists(h200):
+    """The package query only serves a toolkit without version.json (the runfile's has one)."""
+    settings = h200.settings()
+    assert h200.probe(settings)["toolkit_package"].text.startswith("dpkg cuda-nvcc-13-0")
+    (h200.cuda / "version.json").write_text(json.dumps(
+        {"cuda": {"name": "CUDA SDK", "version": "13.0.1"}, "cuda_nvcc": {"name": "CUDA NVCC", "version": "13.0.88"}}))
+    write_script(h200.bin / "grep", "#!/bin/sh\necho grep ran >&2; exit 2\n")
+    probe = h200.probe(settings)
+    assert probe["toolkit_package"] == Section(0, "")
+    assert outcome("version_json", settings, probe).passed
+
+
 @pytest.mark.parametrize("cuda, nvcc_version, status", [
     ("13.0.1", "13.0.88", checks.PASSED), ("13.0.20250801", "13.0.88", checks.PASSED),
     ("13.0.2", "13.0.88", checks.FAILED), ("13.0.1", "12.8.93", checks.FAILED)])
@@ -495,6 +508,28 @@ def test_secrets_stay_out_of_the_unit_and_in_a_root_0600_file(h200):
     assert "mode/owner/group 644 root root, expected 600 root root" in result.detail
 
 
+def test_the_host_script_asks_systemd_once_and_reads_the_units_fragment_and_drop_ins(h200):
+    """What `systemctl cat` would print, from the files `systemctl show` names: a secret variable
+    set in a drop-in is found as one in the unit itself."""
+    unit = h200.root / "etc" / "systemd" / "system" / "sglang.service"
+    dropin = unit.parent / "sglang.service.d" / "10-token.conf"
+    dropin.parent.mkdir(parents=True)
+    unit.write_text("[Service]\nExecStart=/opt/ml-env/bin/python -m sglang.launch_server\n")
+    dropin.write_text("[Service]\nEnvironment=HF_TOKEN=hf_abcdefgh123\n")
+    asked = h200.root / "systemctl.log"
+    write_script(h200.bin / "systemctl", f'#!/bin/sh\necho "$*" >> {asked}\nprintf "%s\\n" LoadState=loaded '
+                                         f'ActiveState=active MainPID=0 FragmentPath={unit} DropInPaths={dropin}\n')
+    settings = h200.settings(service_secret_env=["HF_TOKEN"])
+    sections = parse_sections(h200.run(checks.host_script(settings)))
+    assert sections["unit_secrets"] == Section(0, "names\t1")
+    assert sections["service"].ok and "FragmentPath=" in sections["service"].text
+    assert len(asked.read_text().splitlines()) == 1
+    dropin.write_text("[Service]\nEnvironment=OTHER=1\n")
+    assert parse_sections(h200.run(checks.host_script(settings)))["unit_secrets"] == Section(0, "names\t0")
+    write_script(h200.bin / "systemctl", "#!/bin/sh\necho LoadState=not-found; echo FragmentPath=\n")
+    assert parse_sections(h200.run(checks.host_script(settings)))["unit_secrets"].rc == 3
+
+
 def test_the_secret_scan_prints_a_count_never_a_value(tmp_path):
     secrets = tmp_path / "sglang.env"
     secrets.write_text('# servestack\nHF_TOKEN="hf_abcdefgh123"\nSHORT=ab\n')
@@ -548,34 +583,63 @@ def health_server():
     server.server_close()
 
 
-def without_curl(h200) -> str:
-    """A PATH holding python3 but no curl, so the health probe takes its Python branch."""
-    bare = h200.root / "bare-bin"
+def bare_path(h200, *tools: str) -> str:
+    """A PATH holding python3 and `tools` only (no bash, no curl unless named), so the health probe
+    takes the branch for what the host has."""
+    bare = h200.root / ("bin-" + "-".join(tools or ("python",)))
     bare.mkdir()
-    (bare / "python3").symlink_to(sys.executable)
+    for tool in ("python3", *tools):
+        (bare / tool).symlink_to(sys.executable if tool == "python3" else shutil.which(tool))
     return str(bare)
 
 
-@pytest.mark.parametrize("curl", [True, False], ids=["curl", "python"])
-def test_the_deploys_health_probe_reports_alike_with_or_without_curl(h200, health_server, curl):
+def health_of(settings, script: str, env: dict) -> checks.Outcome:
+    out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, env=env, timeout=60).stdout
+    return outcome("service_health", settings, Probe("h200", {"systemd": Section(0, "running"), **parse_sections(out)}))
+
+
+REFUSED = {"bash": "cannot connect to 127.0.0.1 port {port}", "curl": "connection refused (curl exit 7)",
+           "python": "Connection refused"}
+
+
+@pytest.mark.parametrize("tool", ["bash", "curl", "python"])
+def test_the_deploys_health_probe_reports_alike_with_bash_curl_or_python(h200, health_server, tool):
     port = health_server.server_address[1]
     settings = h200.settings(service_port=port)
     script = checks.http_script(settings, generate=False)
-    env = {**os.environ, "PATH": os.environ["PATH"] if curl else without_curl(h200)}
+    path = os.environ["PATH"] if tool == "bash" else bare_path(h200, *(("curl",) if tool == "curl" else ()))
+    env = {**os.environ, "PATH": path}
 
-    def health() -> checks.Outcome:
-        out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, env=env, timeout=60).stdout
-        return outcome("service_health", settings, Probe("h200", {"systemd": Section(0, "running"),
-                                                                  **parse_sections(out)}))
-
-    assert health().detail == f"GET http://127.0.0.1:{port}/health: 200"
+    assert health_of(settings, script, env).detail == f"GET http://127.0.0.1:{port}/health: 200"
     health_server.handler.status = 503
-    assert health().detail == f"GET http://127.0.0.1:{port}/health on h200: 503"
+    assert health_of(settings, script, env).detail == f"GET http://127.0.0.1:{port}/health on h200: 503"
     health_server.shutdown()
     health_server.server_close()
-    refused = health().detail
+    refused = health_of(settings, script, env).detail
     assert refused.startswith(f"GET http://127.0.0.1:{port}/health on h200: ")
-    assert ("connection refused (curl exit 7)" in refused) == curl, refused
+    assert REFUSED[tool].format(port=port) in refused, refused
+
+
+def test_the_health_probe_bounds_a_connection_to_another_address_of_the_host(h200):
+    """A service bound to one address of the host (not loopback) is asked there, under `timeout`;
+    an answer that is not HTTP is reported as such."""
+    import socketserver
+    import threading
+
+    class NotHttp(socketserver.StreamRequestHandler):
+        def handle(self):
+            self.rfile.readline()
+            self.wfile.write(b"SSH-2.0-OpenSSH_9.2\r\n")
+
+    with socketserver.TCPServer(("127.0.0.2", 0), NotHttp) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port = server.server_address[1]
+        settings = h200.settings(service_host="127.0.0.2", service_port=port)
+        script = checks.http_script(settings, generate=False)
+        assert "timeout 35 bash" in script
+        detail = health_of(settings, script, dict(os.environ)).detail
+        server.shutdown()
+    assert detail == f"GET http://127.0.0.2:{port}/health on h200: no HTTP status line in the answer"
 
 
 # --- the catalogue and the suite ------------------------------------------------------------------
