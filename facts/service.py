@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pyinfra.api import FactBase
 from pyinfra.facts.server import Users
 
+from facts.toolkit import resolved_path
+
 # Properties read from `systemctl show`; the restart decision, the verification checks (the unit's
 # files: fragment and drop-ins) and the tests use them.
 UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "UnitFileState",
@@ -30,7 +32,7 @@ class VenvTarget(FactBase):
 
     def command(self, path: str) -> str:
         quoted = shlex.quote(path)
-        return (f"if [ -L {quoted} ]; then printf 'link %s\\n' \"$(readlink -f {quoted})\"; "
+        return (f"if [ -L {quoted} ]; then printf 'link %s\\n' \"$({resolved_path(quoted)})\"; "
                 f"elif [ -d {quoted} ]; then echo directory; else echo absent; fi")
 
     def process(self, output):

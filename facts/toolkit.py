@@ -145,6 +145,13 @@ def _q(value: str) -> str:
     return shlex.quote(value)
 
 
+def resolved_path(word: str) -> str:
+    """Shell printing what `readlink -f <word>` prints (a quoted word or "$var"): for a directory,
+    the builtins `cd -P` and `pwd -P` in a subshell (a fork, ~0.7 ms of a host's CPU, where readlink
+    is a program, ~2.2 ms; these run on every converge), for anything else readlink itself."""
+    return f"{{ (cd -P -- {word} 2>/dev/null && pwd -P) || readlink -f {word}; }}"
+
+
 def dpkg_may_own(path: str) -> str:
     """Shell test: some dpkg package lists `path` (a quoted word or "$var") or diverts it. It reads
     the package lists with one `grep`, where `dpkg -S` loads the whole database (~20 ms of CPU on a
@@ -219,7 +226,7 @@ def link_chain_command(path: str) -> str:
         f"if [ -L {p} ] && [ ! -e {p} ]; then echo link_kind dangling; "
         f"elif [ -L {p} ]; then echo link_kind link; elif [ -d {p} ]; then echo link_kind directory; "
         f"elif [ -e {p} ]; then echo link_kind file; else echo link_kind absent; fi; "
-        f"if [ -e {p} ]; then printf 'link_resolved %s\\n' \"$(readlink -f {p})\"; fi"
+        f"if [ -e {p} ]; then printf 'link_resolved %s\\n' \"$({resolved_path(p)})\"; fi"
     )
 
 

@@ -33,7 +33,7 @@ from facts.gpu import GpuReport, gpu_command, parse_gpu_output
 from facts.service import PATCH_RECORDS, UnitShow, parse_properties, release_id_of
 from facts.toolkit import (Fingerprint, LinkChain, Tree, dpkg_may_own, fingerprint_command, link_chain_command,
                            parse_fingerprint, parse_json_object, parse_link_chain, parse_tree,
-                           tree_command)
+                           resolved_path, tree_command)
 from facts.toolkit import record_path as toolkits_record_path
 from operations.toolkit import kept_paths, version_json_problem
 from operations.service import GENERATE_REQUEST, PINNED_ENV, check_url, release, secrets_path
@@ -271,12 +271,12 @@ def host_script_parts(settings: Settings, replay: Mapping[str, tuple[str, ...]] 
         # the runfile, the common case, skips the search through the package lists
         _section("toolkit_package", f"[ -f {_q(cuda + '/version.json')} ] && exit 0; "
                                     f"set -- {_q(cuda + '/bin/nvcc')}; {_PACKAGE_OWNER}"),
-        _section("toolkit_path", f"readlink -f {_q(cuda)}"),
+        _section("toolkit_path", resolved_path(_q(cuda))),
         read("link", link_chain_command(settings.manifest.cuda["link_path"])),
         _section("record", f"cat {_q(toolkits_record_path(settings.servestack_state_dir))}"),
         *[_section(f"kept_{index}", fingerprint_command(path))
           for index, path in enumerate(kept_toolkit_paths(settings))],
-        f"r=; if [ -d {venv} ]; then r=$(readlink -f {venv}); fi\n",  # the active release's venv, for both:
+        f"r=; if [ -d {venv} ]; then r=$({resolved_path(venv)}); fi\n",  # the active release's venv, for both:
         _section("release", "[ -n \"$r\" ] || exit 3; printf 'venv\\t%s\\n' \"$r\"; "
                             f"{_PARENT}; for f in {records}; do if [ -f \"$d/$f\" ]; then "
                             "printf 'record\\t%s\\n' \"$d/$f\"; fi; done"),

@@ -330,3 +330,22 @@ def test_every_reader_gets_its_own_copy_of_a_value(providers):
     value = probe.fact(host, Groups)
     value.clear()
     assert list(probe.fact(host, Groups)) == ["f"]
+
+
+def test_a_command_is_built_once_per_fact_and_arguments_not_per_host():
+    built = []
+
+    class Counted(Which):
+        def command(self, command):
+            built.append(command)
+            self.seen = command  # a fact that keeps its argument for `process`, as Sha256File does
+            return f"echo {command}"
+
+        def process(self, output):
+            return (self.seen, output)
+
+    hosts = [FactRequest.of(Counted, command="a") for _ in range(8)]
+    assert {request.command() for request in hosts} == {"echo a"}
+    assert [request.value(["a"]) for request in hosts] == [("a", ["a"])] * 8
+    assert built == ["a"]
+    assert FactRequest.of(Counted, command="b").value(["b"]) == ("b", ["b"]) and built == ["a", "b"]

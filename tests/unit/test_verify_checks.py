@@ -177,7 +177,7 @@ def test_the_host_script_replays_the_toolkit_tree_and_link_the_toolkit_step_read
     replayed = parse_sections(h200.run(checks.host_script(settings, replay=replay)))
     assert {name: replayed[name] for name in ("tree", "link")} == {name: live[name] for name in ("tree", "link")}
     assert "nvcc" in live["tree"].text and "link_resolved" in live["link"].text
-    assert started.read_text().split() == ["readlink"]  # toolkit_path's own readlink -f, nothing else
+    assert not started.exists()  # no nvcc, and toolkit_path resolves its directory with shell builtins
     judged = []
     for sections in (live, replayed):
         probe = Probe("h200")
