@@ -417,9 +417,12 @@ print(MARK + json.dumps(out))
 # starts one small program, curl loads some thirty libraries (~10 ms of a host's CPU more), Python
 # more still. Each prints the same report as _HTTP_PROBE's. $1: MARK, $2: base URL, $3: address,
 # $4: port. The address is the host's own (check_url): loopback needs no connect timeout; another
-# of its addresses might sit behind a firewall that drops, so coreutils' timeout bounds it.
+# of its addresses might sit behind a firewall that drops, so coreutils' timeout bounds it. When
+# bash cannot connect (a refused connection, or a bash built without /dev/tcp) it exits
+# BASH_NO_CONNECTION without a report, and curl (or Python) asks and says why.
+BASH_NO_CONNECTION = 100  # the exit status of _BASH_HEALTH's failed connect
 _BASH_HEALTH = r"""trap '' PIPE
-exec 3<>"/dev/tcp/$3/$4" || { printf '%s{"base": "%s", "health_error": "cannot connect to %s port %s"}\n' "$1" "$2" "$3" "$4"; exit 0; }
+exec 3<>"/dev/tcp/$3/$4" || exit 100
 printf 'GET /health HTTP/1.0\r\nHost: %s\r\n\r\n' "$3" >&3
 IFS=' ' read -t 30 -r proto code rest <&3; rc=$?
 if [[ $proto == HTTP/* && $code == [1-9][0-9][0-9] ]]; then printf '%s{"base": "%s", "health": %s}\n' "$1" "$2" "$code"
@@ -451,13 +454,14 @@ def http_script(settings: Settings, generate: bool = True) -> str:
     if not generate:
         address, port = _health_address(url)
         with_bash = "command -v bash >/dev/null 2>&1"
-        bash = f"bash -c {_q(_BASH_HEALTH)} bash \"$@\" 2>/dev/null"
+        bash = f"bash -c {_q(_BASH_HEALTH)} bash \"$@\" 2>/dev/null; r=$?"
         if address not in ("127.0.0.1", "::1"):
             with_bash += " && command -v timeout >/dev/null 2>&1"
-            bash = (f"timeout 35 {bash} || [ $? != 124 ] || "
+            bash = (f"timeout 35 {bash}; [ $r != 124 ] || "
                     "printf '%s{\"base\": \"%s\", \"health_error\": \"no answer within 35 s\"}\\n' \"$1\" \"$2\"")
-        body = (f"set -- {_q(MARK)} {_q(url)} {_q(address)} {_q(port)}\n"
-                f"if {with_bash}; then {bash}\n"
+        body = (f"set -- {_q(MARK)} {_q(url)} {_q(address)} {_q(port)}\nr={BASH_NO_CONNECTION}\n"
+                f"if {with_bash}; then {bash}; fi\n"
+                f"if [ $r != {BASH_NO_CONNECTION} ]; then :\n"
                 f"elif command -v curl >/dev/null 2>&1; then\n{_CURL_HEALTH}\nelse {body}\nfi")
     return _PRELUDE + _section("http", body) + "exit 0\n"
 

@@ -598,7 +598,8 @@ def health_of(settings, script: str, env: dict) -> checks.Outcome:
     return outcome("service_health", settings, Probe("h200", {"systemd": Section(0, "running"), **parse_sections(out)}))
 
 
-REFUSED = {"bash": "cannot connect to 127.0.0.1 port {port}", "curl": "connection refused (curl exit 7)",
+# bash reports no refusal of its own: it leaves that to curl (or Python), which say why
+REFUSED = {"bash": "connection refused (curl exit 7)", "curl": "connection refused (curl exit 7)",
            "python": "Connection refused"}
 
 
@@ -618,6 +619,18 @@ def test_the_deploys_health_probe_reports_alike_with_bash_curl_or_python(h200, h
     refused = health_of(settings, script, env).detail
     assert refused.startswith(f"GET http://127.0.0.1:{port}/health on h200: ")
     assert REFUSED[tool].format(port=port) in refused, refused
+
+
+def test_a_bash_that_cannot_connect_leaves_the_health_probe_to_curl(h200, health_server):
+    """A bash built without /dev/tcp fails the connect like a refused one: curl then asks."""
+    assert f"|| exit {checks.BASH_NO_CONNECTION}" in checks._BASH_HEALTH
+    port = health_server.server_address[1]
+    settings = h200.settings(service_port=port)
+    path = bare_path(h200, "curl")
+    write_script(Path(path) / "bash", f"#!/bin/sh\nexit {checks.BASH_NO_CONNECTION}\n")
+    env = {**os.environ, "PATH": path}
+    assert health_of(settings, checks.http_script(settings, generate=False), env).detail == \
+        f"GET http://127.0.0.1:{port}/health: 200"
 
 
 def test_the_health_probe_bounds_a_connection_to_another_address_of_the_host(h200):
