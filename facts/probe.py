@@ -93,7 +93,7 @@ class FactRequest:
         distinct prelude once, first, in its own shell (it only sets variables), then the body. None
         when the fact has no such read; its command runs as pyinfra would run it."""
         if "_parts" not in self.__dict__:
-            fact = self.cls()
+            fact = self._prepared()[0]
             split = fact.probe_parts(**dict(self.kwargs)) if hasattr(fact, "probe_parts") else None
             object.__setattr__(self, "_parts", tuple(split) if split and split[0] else None)
         return self.__dict__["_parts"]

@@ -223,7 +223,7 @@ def _service_sections(settings: Settings) -> list[str]:
         f"svc=${show.var}; svc_rc=${show.var}_rc\n",
         _section("service", "[ -z \"$svc\" ] || printf '%s\\n' \"$svc\"; exit $svc_rc"),
         _section("service_process",
-                 "pid=; [ $svc_rc = 0 ] && case \"$svc\" in *MainPID=*) pid=${svc#*MainPID=}; pid=${pid%%[!0-9]*} ;; esac; "
+                 f"pid=; [ $svc_rc = 0 ] && {{ {_property('pid', 'MainPID')} }}; pid=${{pid%%[!0-9]*}}; "
                  "[ -n \"$pid\" ] && [ \"$pid\" != 0 ] || exit 3; "
                  "printf 'user\\t%s\\n' \"$(stat -c %U /proc/$pid)\"; "
                  f"tr '\\0' '\\n' < /proc/$pid/environ | grep -E {keep_env}{drop_secrets} | "
