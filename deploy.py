@@ -3,20 +3,36 @@
     pyinfra inventory.py deploy.py --dry --diff     # what would change, per host; changes nothing
     pyinfra inventory.py deploy.py                  # apply
 
-A host that fails preflight is refused with one line per problem and runs no other step.
+A host that fails preflight is refused with one line per problem and runs no other step. What one
+step decides (the release this run leaves active) is passed to the next as an argument.
 """
 
-from operations import base, patches, preflight, service, toolkit, venv, verify
-from servestack.stackorder import index_deploy_file
+from pyinfra import host
 
-index_deploy_file(__file__)  # pyinfra inspects this file's frame for every operation (stackorder.py)
-base.servestack_base()
-if preflight.preflight():
-    venv.backup()
-    toolkit.cuda_toolkit()
-    venv.build()
-    patches.patches()
-    venv.activate()
-    service.sglang_service()
-    verify.verify()
-    preflight.release_lock()
+from operations import patches, preflight, service, toolkit, venv, verify
+from servestack.pyinfra_hooks import index_deploy_file
+from servestack.settings import host_settings
+
+index_deploy_file(__file__)  # pyinfra inspects this file's frame for every operation
+
+
+def host_reads(settings, release=None):
+    """What the steps read of a host, each step's own list: read in one remote command at prepare
+    and one at execute, right after the lock is taken (servestack/reads.py)."""
+    return [request for step in (preflight, toolkit, venv, patches, service, verify)
+            for request in step.host_reads(settings, release)]
+
+
+settings = host_settings(host)
+if preflight.preflight(reads=host_reads(settings)):
+    release = venv.plan()                       # None: the host was refused (no python to build with)
+    if release is not None:
+        preflight.lock(reads=host_reads(settings, release))
+        venv.backup(release)
+        toolkit.cuda_toolkit()
+        venv.build(release)
+        patches.patches(release)
+        venv.activate(release)
+        service.sglang_service(release)
+        verify.verify(release)
+        preflight.release_lock()

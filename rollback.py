@@ -13,16 +13,31 @@ first rollback returns to it. `servestack backups inventory.py` and
 `<venv_releases_dir>/*/release.json` on the host show what is kept.
 
 A host with nothing to roll back to (no deploy switched it yet, or the previous release was
-pruned or never passed its checks) fails with a message saying so; nothing is changed on it.
-Before switching, the active environment is snapshotted like in deploy.py; after it, the service
-step re-renders the unit for the re-activated release (its ExecStart names the release's python)
-and restarts it through the same health gate as deploy.py.
+pruned or never passed its checks) is refused with a message saying so and listing what is kept;
+nothing is changed on it. Before switching, the active environment is snapshotted like in
+deploy.py; after it, the service step re-renders the unit for the re-activated release (its
+ExecStart names the release's python) and restarts it through the same health gate as deploy.py.
 """
 
-from operations import base, preflight, service, venv
+from pyinfra import host
 
-base.servestack_base()
-if preflight.preflight():
-    venv.rollback()
-    service.sglang_service()
-    preflight.release_lock()
+from operations import preflight, service, venv
+from servestack.pyinfra_hooks import index_deploy_file
+from servestack.settings import host_settings
+
+index_deploy_file(__file__)  # pyinfra inspects this file's frame for every operation
+
+
+def host_reads(settings, release=None):
+    """What the steps read of a host (see deploy.py)."""
+    return [request for step in (preflight, venv, service) for request in step.host_reads(settings, release)]
+
+
+settings = host_settings(host)
+if preflight.preflight(reads=host_reads(settings)):
+    release = venv.rollback_target()
+    if release is not None:
+        preflight.lock(reads=host_reads(settings, release))
+        venv.rollback(release)
+        service.sglang_service(release)
+        preflight.release_lock()

@@ -29,24 +29,34 @@ ensure_debian_packages() {
     apt-get install -y -qq --no-install-recommends $missing >/dev/null
 }
 
-uv_version() {
-    python3 -c 'import tomllib; print(tomllib.load(open("files/stack.toml", "rb"))["uv"]["version"])'
+uv_version() {   # the manifest's uv.version, or a message naming the file and key (exit 2)
+    python3 - <<'PY'
+import sys, tomllib
+path = "files/stack.toml"
+try:
+    version = tomllib.load(open(path, "rb"))["uv"]["version"]
+except (OSError, tomllib.TOMLDecodeError) as error:
+    sys.exit(f"servestack: {path}: cannot read the manifest: {error}")
+except (KeyError, TypeError):
+    sys.exit(f"servestack: {path}: key 'uv.version': expected a version string like '0.13.9' (missing)")
+print(version)
+PY
 }
 
 ensure_venv() {
     local uv=.tools/bin/uv version
-    version=$(uv_version)
+    version=$(uv_version) || exit 2
     if ! [ -x "$uv" ] || [ "$("$uv" --version | cut -d' ' -f2)" != "$version" ]; then
         echo "servestack: installing uv $version into .tools/" >&2
         python3 -m venv .tools
         .tools/bin/pip install -q "uv==$version"
     fi
-    UV_PYTHON_DOWNLOADS=never "$uv" sync -q --locked --extra test --python "$(command -v python3)"
+    UV_PYTHON_DOWNLOADS=never "$uv" sync -q --locked --python "$(command -v python3)"
 }
 
 ensure_debian_packages
 ensure_venv
 case "${1:-}" in
-    test) shift; exec .venv/bin/python -m pytest "$@" ;;
+    test) shift; PATH="$here/.tools/bin:$PATH" exec .venv/bin/python -m pytest "$@" ;;
     *) exec .venv/bin/servestack "$@" ;;
 esac

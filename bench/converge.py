@@ -6,7 +6,9 @@ commands each host gets. Run by hand (root, sandbox tools), not a test:
 
 One lab of max(--hosts) sandbox hosts is booted and converged with the real deploy.py; then K
 rounds (--repeat) each time, for every fleet size N (`--limit`: the first N hosts), one no-op
-converge (`pyinfra -y --json`, which must report zero changes) and one dry run (`pyinfra --dry`).
+converge (`pyinfra -y --json`, which must report zero changes), one dry run (`pyinfra --dry`) and,
+as the floor to compare with, plain pyinfra running a one-command deploy (`server.shell("true")`,
+`-y`, the same inventory, from a directory without servestack's config.py).
 Wall time is the whole pyinfra process, as a user sees it (Python start-up, inventory, connecting,
 facts, operations). The median of the K runs is reported, and the ratios N/1 both of the medians
 and "paired" (the median of each round's own ratio: the sizes of one round ran moments apart). Remote commands are counted by bench/counting_pyinfra.py, a wrapper
@@ -63,7 +65,11 @@ def _hosts_cpu_usec(lab: Lab) -> dict[str, int | None]:
     return {host.name: cgroups.cpu_usec(host.machine) for host in lab.hosts}
 
 
-def pyinfra(lab: Lab, hosts: list[str], *args: str, timeout: int = 3600) -> tuple[float, dict, subprocess.CompletedProcess]:
+PLAIN_DEPLOY = 'from pyinfra.operations import server\n\nserver.shell(name="one command", commands=["true"])\n'
+
+
+def pyinfra(lab: Lab, hosts: list[str], *args: str, deploy: str = "deploy.py", cwd: Path = ROOT,
+            timeout: int = 3600) -> tuple[float, dict, subprocess.CompletedProcess]:
     """One pyinfra run against `hosts`; (wall seconds, counts per host, the process).
 
     Counts per host: remote commands and transfers (counting_pyinfra.py) and the CPU time the host
@@ -72,10 +78,10 @@ def pyinfra(lab: Lab, hosts: list[str], *args: str, timeout: int = 3600) -> tupl
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         counts_path = handle.name
     limits = [argument for name in hosts for argument in ("--limit", name)]
-    argv = [sys.executable, str(COUNTER), counts_path, str(lab.inventory_path), "deploy.py", *limits, *args]
+    argv = [sys.executable, str(COUNTER), counts_path, str(lab.inventory_path), deploy, *limits, *args]
     cpu_before, hosts_before = _children_cpu_s(), _hosts_cpu_usec(lab)
     started = time.perf_counter()
-    result = subprocess.run(lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(lab.controller_argv(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout)
     elapsed = time.perf_counter() - started
     cpu_after, hosts_after = _children_cpu_s(), _hosts_cpu_usec(lab)
     try:
@@ -132,10 +138,14 @@ def per_host(counts: dict, hosts: list[str]) -> dict:
             "cpu_floor_s": cpu_floor_s(counts, hosts)}
 
 
-def timed_run(lab: Lab, hosts: list[str], mode: str) -> tuple[float, dict]:
-    """One no-op converge or dry run of `hosts`: its wall time and per-host counts."""
-    args = ("-y", "--json") if mode == "noop" else ("--dry",)
-    elapsed, counts, result = pyinfra(lab, hosts, *args)
+MODES = ("noop", "dry", "plain")
+
+
+def timed_run(lab: Lab, hosts: list[str], mode: str, plain_dir: Path) -> tuple[float, dict]:
+    """One no-op converge, dry run or plain one-command deploy of `hosts`: wall time, per-host counts."""
+    args = ("-y", "--json") if mode in ("noop", "plain") else ("--dry",)
+    where = {"deploy": str(plain_dir / "plain.py"), "cwd": plain_dir} if mode == "plain" else {}
+    elapsed, counts, result = pyinfra(lab, hosts, *args, **where)
     if result.returncode != 0:
         raise BenchFailed(f"{mode} on {len(hosts)} host(s) failed (exit {result.returncode}):\n"
                           f"{(result.stdout + result.stderr)[-4000:]}")
@@ -148,15 +158,17 @@ def measure_rounds(lab: Lab, names: list[str], sizes: list[int], repeat: int) ->
     """`repeat` rounds, each timing every fleet size and mode once: a machine whose speed drifts
     (a shared VM) then slows every size alike instead of whichever size was measured during the slump."""
     samples: dict[tuple[int, str], list[tuple[float, dict]]] = {}
+    plain_dir = Path(tempfile.mkdtemp(prefix="servestack-bench-plain-"))
+    (plain_dir / "plain.py").write_text(PLAIN_DEPLOY)
     for round_number in range(1, repeat + 1):
         for size in sizes:
-            for mode in ("noop", "dry"):
-                samples.setdefault((size, mode), []).append(timed_run(lab, names[:size], mode))
+            for mode in MODES:
+                samples.setdefault((size, mode), []).append(timed_run(lab, names[:size], mode, plain_dir))
         console.print(f"round {round_number}/{repeat}: " + ", ".join(
-            f"{mode} {size}: {samples[(size, mode)][-1][0]:.2f} s" for size in sizes for mode in ("noop", "dry")))
+            f"{mode} {size}: {samples[(size, mode)][-1][0]:.2f} s" for size in sizes for mode in MODES))
     rows = []
     for size in sizes:
-        for mode in ("noop", "dry"):
+        for mode in MODES:
             times = [elapsed for elapsed, _ in samples[(size, mode)]]
             median_run = samples[(size, mode)][times.index(sorted(times)[len(times) // 2])][1]
             rows.append({"hosts": size, "mode": mode, "times_s": [round(t, 3) for t in times],
@@ -168,6 +180,13 @@ def ratios(rows: list[dict]) -> dict:
     """N hosts / the smallest fleet, by medians, and `paired`: the median of the ratios of the runs of
     one round (taken moments apart, so machine drift cancels)."""
     out = {}
+    plain = {row["hosts"]: row for row in rows if row["mode"] == "plain"}
+    for row in rows:
+        if row["mode"] == "noop" and row["hosts"] in plain:
+            base = plain[row["hosts"]]
+            out[f"noop/plain {row['hosts']}"] = round(row["median_s"] / base["median_s"], 2)
+            paired = [t / b for t, b in zip(row["times_s"], base["times_s"])]
+            out[f"noop/plain {row['hosts']} paired"] = round(statistics.median(paired), 2)
     for mode in ("noop", "dry"):
         by_size = {row["hosts"]: row for row in rows if row["mode"] == mode}
         smallest = min(by_size)

@@ -52,10 +52,10 @@ def _counted(method, kind: str):
 
 def install() -> None:
     SSHConnector.run_shell_command = _counted(SSHConnector.run_shell_command, "commands")
-    # put_file of pyinfra's SSH connector runs its sudo copy through run_shell_command (counted
-    # there); the SFTP transfer itself is counted here.
-    SSHConnector._put_file = _counted(SSHConnector._put_file, "transfers")
-    SSHConnector._get_file = _counted(SSHConnector._get_file, "transfers")
+    # put_file / get_file of pyinfra's SSH connector: one SFTP transfer each (the sudo copy around
+    # it runs through run_shell_command, counted there)
+    SSHConnector.put_file = _counted(SSHConnector.put_file, "transfers")
+    SSHConnector.get_file = _counted(SSHConnector.get_file, "transfers")
 
 
 def note_startup_cpu() -> None:

@@ -127,6 +127,8 @@ def parse_gpu_output(lines: list[str]) -> GpuReport:
 class NvidiaGpus(FactBase):
     """The host's GPUs and NVIDIA driver version (see `GpuReport`); never fails."""
 
+    slow = True  # starts nvidia-smi, which wakes the driver for every GPU (facts/batch.py)
+
     def command(self) -> str:
         return gpu_command()
 

@@ -1,60 +1,17 @@
 """The host itself: CPU architecture, free disk space, and servestack's run lock.
 
-The lock (`<servestack_state_dir>/lock`) is one JSON line::
-
-    {"run_id": "...", "controller": "<control machine>:<pid>", "started": "<UTC>",
-     "pid": <owner pid>, "owner_start": "<ticks>", "boot_id": "<kernel boot id>"}
-
-A process id on the control machine means nothing on the host, so the lock names a process *on
-the host* that lives exactly as long as the run's connection: the `sshd` session process the
-locking command runs under (found by walking up from the shell). When the control machine dies,
-its TCP connection closes, that sshd process exits, and the next run finds the lock stale (the
-recorded pid is gone, or is another process: its start time differs, or the host rebooted).
-With no sshd ancestor (a non-SSH connector) the lock is held until released or the host reboots.
-A run's long remote commands (the CUDA installer) also hold `flock` on `lock.busy` while they
-run: a lock whose connection is gone but whose installer still runs on the host is not stale.
-The shell function `lock_alive` below is the single definition of "stale", used both by the
-`HostLock` fact (preflight, doctor) and by the take-lock command.
-
-Every take of the lock by a new run adds one to `<servestack_state_dir>/lock.generation`. A run that
-read the host before it took the lock (pyinfra's prepare stage) knows those reads are still the
-host's state when the generation it took is the one it read plus one: no other run held the lock
-in between, and only a run holding it changes the host.
+The lock's behaviour (what it holds, when it is stale, take and release) is files/scripts/lock.sh;
+here are the fact that reads it and the commands that take and release it.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import dataclass
 
 from pyinfra.api import FactBase
 
-SECTION_MARK = "@@section "
-
-
-def _q(value: str) -> str:
-    return shlex.quote(value)
-
-
-# Sections: several facts' commands in one remote command, each in its own subshell.
-
-def combine_sections(sections: dict[str, str]) -> str:
-    """One shell command running each `name -> command` in a subshell, output split by markers."""
-    return "; ".join(f"echo {_q(SECTION_MARK + name)}; ( {command} )" for name, command in sections.items()) + "; true"
-
-
-def split_sections(lines: list[str]) -> dict[str, list[str]]:
-    """Group the output of `combine_sections` by section name."""
-    sections: dict[str, list[str]] = {}
-    current = None
-    for line in lines:
-        if line.startswith(SECTION_MARK):
-            current = line[len(SECTION_MARK):]
-            sections[current] = []
-        elif current is not None:
-            sections[current].append(line)
-    return sections
+from servestack.scripts import script_command
 
 
 # Architecture
@@ -91,24 +48,8 @@ class Disk:
 
 
 def disk_command(paths: tuple[str, ...]) -> str:
-    """Print `diskpath <path>` for each path, then `df` of their nearest existing parents in one
-    call (`dfall`, its header, a line per path), or, when that call fails, `disk <path>\t<df line>`
-    (or `diskerr <path>`) path by path."""
-    if not paths:
-        return "true"
-    quoted = " ".join(_q(path) for path in paths)
-    one_by_one = "; ".join(
-        f"line=$(df -B1 --output=target,avail,size \"$1\" 2>/dev/null | tail -n 1); "
-        f"if [ -n \"$line\" ]; then printf 'disk %s\\t%s\\n' {_q(path)} \"$line\"; "
-        f"else printf 'diskerr %s\\n' {_q(path)}; fi; shift"
-        for path in paths
-    )
-    return (
-        f"set --; for p in {quoted}; do printf 'diskpath %s\\n' \"$p\"; "
-        "while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=${p%/*}; p=${p:-/}; done; set -- \"$@\" \"$p\"; done; "
-        "if out=$(df -B1 --output=target,avail,size \"$@\" 2>/dev/null); then printf 'dfall\\n%s\\n' \"$out\"; "
-        f"else {one_by_one}; fi"
-    )
+    """files/scripts/disk-free.sh for `paths` (what it prints: its header)."""
+    return script_command("disk-free.sh", *paths)
 
 
 def parse_df_line(line: str) -> tuple[str, int, int]:
@@ -162,42 +103,10 @@ class DiskSpace(FactBase):
         return parse_disks(output)
 
 
-# The run lock
-
-LOCK_NAME = "lock"
-GENERATION_NAME = "lock.generation"
-
-# Shell helpers shared by the fact and the take/release commands. `field KEY FILE` reads one
-# value of the lock's JSON line (the first line naming KEY, as `sed | head -n 1` would);
-# `proc_start PID` is the process start time in clock ticks (field 22 of /proc/PID/stat);
-# `first_line FILE` is a file's first line. Shell builtins only: the take and the release run on
-# every converge of every host, and each program started costs a host ~1.5 ms of CPU.
-_LOCK_FUNCTIONS = r"""
-first_line() { l=; { IFS= read -r l < "$1"; } 2>/dev/null; printf '%s\n' "$l"; }
-field() {
-    { while IFS= read -r l || [ -n "$l" ]; do
-        case "$l" in *"\"$1\":"*) ;; *) continue ;; esac
-        v=${l##*"\"$1\":"}; while [ "${v# }" != "$v" ]; do v=${v# }; done
-        v=${v#\"}; printf '%s\n' "${v%%[\",\}]*}"; return 0
-    done < "$2"; } 2>/dev/null
-}
-proc_start() { l=$(first_line "/proc/$1/stat"); [ -n "$l" ] || return 0; set -- ${l##*) }; [ $# -ge 20 ] && eval 'printf "%s\n" "${20}"'; }
-boot_id() { first_line /proc/sys/kernel/random/boot_id; }
-busy() { [ -e "$1.busy" ] && command -v flock >/dev/null 2>&1 && ! flock -n "$1.busy" true; }
-lock_alive() {
-    [ "$(field boot_id "$1")" = "$(boot_id)" ] || return 1
-    pid=$(field pid "$1")
-    case "$pid" in ''|null) why=no-owner; return 0 ;; esac
-    why=connection
-    [ -n "$(proc_start "$pid")" ] && [ "$(proc_start "$pid")" = "$(field owner_start "$1")" ] && return 0
-    why=busy
-    busy "$1"
-}
-"""
-
+# The run lock (files/scripts/lock.sh)
 
 def lock_path(state_dir: str) -> str:
-    return f"{state_dir.rstrip('/')}/{LOCK_NAME}"
+    return f"{state_dir.rstrip('/')}/lock"
 
 
 def busy_path(state_dir: str) -> str:
@@ -205,17 +114,8 @@ def busy_path(state_dir: str) -> str:
     return lock_path(state_dir) + ".busy"
 
 
-def generation_path(state_dir: str) -> str:
-    """How many times a run took the lock (one integer; absent: never)."""
-    return f"{state_dir.rstrip('/')}/{GENERATION_NAME}"
-
-
 def lock_read_command(state_dir: str) -> str:
-    lock = _q(lock_path(state_dir))
-    return (_LOCK_FUNCTIONS +
-            f"printf 'generation %s\\n' \"$(first_line {_q(generation_path(state_dir))})\"; "
-            f"if [ -f {lock} ]; then printf '%s %s\\n' lock \"$(tr -d '\\n' < {lock})\"; "
-            f"if lock_alive {lock}; then echo \"lock_alive 1 $why\"; else echo lock_alive 0; fi; fi")
+    return script_command("lock.sh", "read", state_dir)
 
 
 @dataclass(frozen=True)
@@ -226,7 +126,7 @@ class LockState:
     alive: bool = False
     info: dict | None = None
     why: str | None = None      # alive because: "connection", "busy" or "no-owner"
-    generation: int = 0         # takes of the lock so far (lock.generation)
+    activity: dict | None = None  # what a long command of a run does, or did when interrupted (busy.sh)
 
     @property
     def run_id(self) -> str | None:
@@ -237,7 +137,16 @@ class LockState:
         return (f"run {info.get('run_id', '?')} from {info.get('controller', '?')}, "
                 f"started {info.get('started', '?')}")
 
+    def doing(self) -> str | None:
+        """`'venv build r-...' (since T, pid P)` from the activity record, if any."""
+        if not self.activity:
+            return None
+        return (f"'{self.activity.get('step', '?')}' (since {self.activity.get('since', '?')}, "
+                f"pid {self.activity.get('pid', '?')})")
+
     def why_alive(self) -> str:
+        if self.why == "busy" and self.doing():
+            return f"its connection is gone, but {self.doing()} it started is still running on the host"
         return {"connection": "its connection is still open",
                 "busy": "its connection is gone, but a command it started (download or installer) is "
                         "still running on the host",
@@ -245,31 +154,31 @@ class LockState:
                 }.get(self.why or "", "it is still alive")
 
 
-def parse_generation(text: str) -> int:
-    text = text.strip()
-    return int(text) if text.isdigit() else 0
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"invalid": text}
+    return value if isinstance(value, dict) else {"invalid": text}
 
 
 def parse_lock(lines: list[str]) -> LockState:
-    present, alive, info, why, generation = False, False, None, None, 0
+    present, alive, info, why, activity = False, False, None, None, None
     for line in lines:
         key, _, rest = line.partition(" ")
-        if key == "generation":
-            generation = parse_generation(rest)
-        elif key == "lock":
-            present = True
-            try:
-                info = json.loads(rest)
-            except ValueError:
-                info = {"invalid": rest}
+        if key == "lock":
+            present, info = True, _json_object(rest)
         elif key == "lock_alive":
             flag, _, why = rest.strip().partition(" ")
             alive = flag == "1"
-    return LockState(present, alive and present, info, (why or None) if alive else None, generation)
+        elif key == "activity":
+            activity = _json_object(rest)
+    return LockState(present, alive and present, info, (why or None) if alive else None, activity if present else None)
 
 
 class HostLock(FactBase):
-    """servestack's run lock on the host (see `LockState`).
+    """
+    servestack's run lock on the host (see ``LockState``).
 
     + state_dir: servestack's state directory
     """
@@ -286,49 +195,10 @@ class HostLock(FactBase):
 
 
 def take_lock_command(state_dir: str, run_id: str, controller: str, started: str) -> str:
-    """Take the lock atomically for `run_id` (under `flock` on `lock.guard`).
-
-    Prints `taken`, `ours` (already held by this run) or `stale <old lock>` then `taken`, each
-    followed by `generation N` (a take by a new run adds one); exits 3 printing `held <lock>` when
-    a live run holds it.
-    """
-    state = _q(state_dir.rstrip("/"))
-    lock = _q(lock_path(state_dir))
-    generation = _q(generation_path(state_dir))
-    return _LOCK_FUNCTIONS + f"""
-[ -d {state} ] || mkdir -p {state} || exit 1
-command -v flock >/dev/null 2>&1 || {{ echo "servestack: 'flock' (util-linux) is needed on the host" >&2; exit 1; }}
-exec 9>>{state}/lock.guard
-flock -w 60 9 || {{ echo "servestack: timed out waiting for {state_dir}/lock.guard" >&2; exit 1; }}
-if [ -f {lock} ]; then
-    if [ "$(field run_id {lock})" = {_q(run_id)} ]; then echo ours; echo "generation $(first_line {generation})"; exit 0; fi
-    if lock_alive {lock}; then printf '%s %s\\n' held "$(tr -d '\\n' < {lock})"; exit 3; fi
-    printf '%s %s\\n' stale "$(tr -d '\\n' < {lock})"
-    mv {lock} {lock}.stale-$(date -u +%Y%m%dT%H%M%SZ)
-fi
-p=$$; owner=null
-while [ "$p" -gt 1 ] 2>/dev/null; do
-    case "$(first_line /proc/$p/comm)" in sshd|sshd-session) owner=$p; break ;; esac
-    l=$(first_line /proc/$p/stat); set -- ${{l##*) }}; p=${{2:-0}}
-done
-start=""; [ "$owner" = null ] || start=$(proc_start $owner)
-printf '{{"run_id": "%s", "controller": "%s", "started": "%s", "pid": %s, "owner_start": "%s", "boot_id": "%s"}}\\n' \\
-    {_q(run_id)} {_q(controller)} {_q(started)} "$owner" "$start" "$(boot_id)" > {lock}.new.$$ && mv {lock}.new.$$ {lock} || exit 1
-g=$(first_line {generation}); case "$g" in ''|*[!0-9]*) g=0 ;; esac; g=$((g + 1))
-echo "$g" > {generation}.new.$$ && mv {generation}.new.$$ {generation} || exit 1
-exec 9>&-
-echo taken
-echo "generation $g"
-"""
+    """Take the lock for `run_id`, creating the state directory if missing (lock.sh `take`)."""
+    return script_command("lock.sh", "take", state_dir, run_id, controller, started)
 
 
 def release_lock_command(state_dir: str, run_id: str) -> str:
-    """Remove the lock if `run_id` holds it; prints `released` or `not-ours`."""
-    state = _q(state_dir.rstrip("/"))
-    lock = _q(lock_path(state_dir))
-    return _LOCK_FUNCTIONS + f"""
-[ -d {state} ] || {{ echo not-ours; exit 0; }}
-exec 9>>{state}/lock.guard
-command -v flock >/dev/null 2>&1 && flock -w 60 9
-if [ -f {lock} ] && [ "$(field run_id {lock})" = {_q(run_id)} ]; then rm -f {lock} && echo released; else echo not-ours; fi
-"""
+    """Remove the lock if `run_id` holds it; prints `released` or `not-ours` (lock.sh `release`)."""
+    return script_command("lock.sh", "release", state_dir, run_id)

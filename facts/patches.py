@@ -2,9 +2,14 @@
 
 Patch sets live in files/patches/<package>/<version>/: NNNN-name.patch files (applied
 in name order) and an optional checks.py (see files/patches/sglang/0.5.9/checks.py).
-The fact ships servestack/patchlib.py (with servestack/memo.py, which it imports), every set of
-the package and the mode to the environment's python as an inline script; the script reads the
-installed version, picks that version's set and prints one JSON object (see patchlib.remote_main).
+The fact ships servestack/patchlib.py and every set of the package to the environment's python
+as an inline script; the script reads the installed version, picks that version's set and prints
+one JSON object (see patchlib.remote_main).
+
+A set found in place leaves sums beside its record (patchlib `sums_path`): the sha256 of every file
+that check read. files/scripts/patch-check.sh confirms them with `sha256sum -c` first and, while
+they hold for the engine and set this controller sends, answers from the record instead of
+starting python; anything else runs the full check.
 """
 
 from __future__ import annotations
@@ -13,19 +18,20 @@ import base64
 import functools
 import hashlib
 import json
-import shlex
 import zlib
 from pathlib import Path
 
 from pyinfra.api import FactBase
 
-from servestack import memo as memos
 from servestack import patchlib
+from servestack.scripts import atomic_write_command, script_command
 
 PATCH_ROOT = Path(__file__).resolve().parent.parent / "files" / "patches"
 CHECKS_FILE = "checks.py"
 SERIES_FILE = "series"
 HEREDOC_END = "SERVESTACK_PATCHES_EOF"
+SCRIPT = "patch-check.sh"
+SUMS_HOLD = "servestack-patch-sums-hold"  # patch-check.sh's first line when the sums hold
 
 
 def load_patch_sets(package: str, patch_root: str | Path = PATCH_ROOT) -> dict:
@@ -56,44 +62,36 @@ def _series(set_dir: Path, package_dir: Path) -> list[Path]:
 
 @functools.lru_cache(maxsize=8)
 def _packed(text: str) -> str:
-    """base64 of zlib-compressed `text` (compressing the engine and sets takes ~7 ms; a run asks
-    for the same payload several times per host)."""
+    """base64 of zlib-compressed `text` (a run asks for the same payload several times per host)."""
     return base64.b64encode(zlib.compress(text.encode(), 9)).decode()
 
 
-def memo_path(record_path: str) -> str:
-    """Where the patches operation keeps the check's memo (servestack/patchlib.py says what it is)."""
-    return f"{record_path}.memo"
+def set_digests(package: str, patch_root: str | Path = PATCH_ROOT) -> dict[str, str]:
+    """{version: sha256 of the engine's source and that version's set}: what judged a set in place."""
+    engine = Path(patchlib.__file__).read_text()
+    return {version: hashlib.sha256(json.dumps({"engine": engine, "set": patch_set}, sort_keys=True).encode())
+            .hexdigest() for version, patch_set in load_patch_sets(package, patch_root).items()}
 
 
 def remote_command(python: str, mode: str, package: str, record_path: str | None, patch_root: str | Path,
-                   memo: bool = True) -> str:
+                   quick: bool = True) -> str:
     """The shell command running patchlib.remote_main with the environment's python.
 
-    `python -I -` reads the script from a quoted heredoc: no local paths or environment
-    leak in, and the payload needs no shell quoting: the code and patch sets (base64 of
-    zlib-compressed JSON, the same for every host, packed once per run) and this call's
-    mode and paths (JSON, base64). A missing interpreter prints a sentinel instead of
-    failing the command. A check with a record path first tries the memo the patches
-    operation kept (see patchlib's memo), unless `memo` is False (verification judges the
-    files themselves). The memo is keyed by the digest of both parts as sent.
+    files/scripts/patch-check.sh runs `python -I -` on a quoted heredoc: no local paths or
+    environment leak in, and the payload needs no shell quoting: the code and patch sets (base64
+    of zlib-compressed JSON, the same for every host, packed once per run) and this call's mode and
+    paths (JSON, base64). A missing interpreter prints `installed: False, python_missing: True`.
+    A check with a record path first confirms the sums a set in place left (see the module
+    docstring), unless `quick` is False.
     """
     shared = _shared_payload(package, str(patch_root))
     own = json.dumps({"mode": mode, "package": package, "record_path": record_path})
     script = "\n".join(
         [
             f"# servestack patches: {mode} {package}",
-            "import base64, hashlib, json, sys, types, zlib",
-            f"raw = zlib.decompress(base64.b64decode('{_packed(shared)}'))",
-            f"own = base64.b64decode('{base64.b64encode(own.encode()).decode()}')",
-            "payload = json.loads(raw)",
-            "payload.update(json.loads(own))",
-            "payload['digest'] = hashlib.sha256(raw + b'\\n' + own).hexdigest()",
-            "memo = types.ModuleType('servestack.memo')",  # what the engine imports, from the payload
-            "exec(compile(payload['memo'], 'servestack/memo.py', 'exec'), memo.__dict__)",
-            "package = types.ModuleType('servestack')",
-            "package.__path__, package.memo = [], memo",
-            "sys.modules.update({'servestack': package, 'servestack.memo': memo})",
+            "import base64, json, sys, types, zlib",
+            f"payload = json.loads(zlib.decompress(base64.b64decode('{_packed(shared)}')))",
+            f"payload.update(json.loads(base64.b64decode('{base64.b64encode(own.encode()).decode()}')))",
             "engine = types.ModuleType('servestack_patchlib')",
             "sys.modules[engine.__name__] = engine",
             "exec(compile(payload['engine'], 'servestack/patchlib.py', 'exec'), engine.__dict__)",
@@ -101,24 +99,34 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
         ]
     )
     absent = json.dumps({"python": python, "package": package, "installed": False, "python_missing": True})
-    py = shlex.quote(python)
-    run = f"{py} -I - <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}\n"
-    if mode == "check" and record_path and memo:
-        digest = hashlib.sha256(f"{shared}\n{own}".encode()).hexdigest()
-        reader = memos.reader(memo_path(record_path), f"{patchlib.MEMO_HEADER} {digest}")
-        run = f"if {reader}; then :; else {run}fi\n"
-    return f"if [ -x {py} ]; then {run}else echo {shlex.quote(absent)}; fi"
+    quick = quick and mode == "check" and bool(record_path)
+    headers = dict.fromkeys(f"{patchlib.SUMS_HEADER} {digest}" for digest in set_digests(package, patch_root).values())
+    env = {"PYTHON": python, "ABSENT": absent, "RECORD": record_path or "",
+           "SUMS": patchlib.sums_path(record_path) if quick else "", "HEADERS": "\n".join(headers),
+           "HOLD": SUMS_HOLD}
+    return f"{script_command(SCRIPT, env=env)} <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}"
 
 
 def _shared_payload(package: str, patch_root: str) -> str:
-    """The part of the payload every host gets: the package's patch sets, the engine, the memo code."""
-    return json.dumps({"sets": load_patch_sets(package, patch_root), "engine": Path(patchlib.__file__).read_text(),
-                       "memo": memos.source()})
+    """The part of the payload every host gets: the package's patch sets and their digests, the engine."""
+    return json.dumps({"sets": load_patch_sets(package, patch_root), "digests": set_digests(package, patch_root),
+                       "engine": Path(patchlib.__file__).read_text()})
 
 
-def memo_write_command(record_path: str, memo: str) -> str:
-    """Keep the check's memo beside the record (root's, like the record; see servestack/memo.py)."""
-    return memos.write_command(memo_path(record_path), memo)
+def sums_write_command(record_path: str, sums: str) -> str:
+    """Keep the sums of a set found in place beside its record (patchlib `sums_path`)."""
+    return atomic_write_command(patchlib.sums_path(record_path), sums)
+
+
+def from_record(python: str, record_path: str, record: dict) -> dict:
+    """The check's answer for a set its sums confirm in place: what the record says."""
+    return {
+        "python": python, "package": record["package"], "installed": True, "version": record["version"],
+        "site_packages": None, "patch_set": record["version"],
+        "patches": [{"name": p["name"], "sha256": p["sha256"], "state": p["state"], "conflict": None,
+                     "check": "ok", "diff": "", "files": p["files"]} for p in record["patches"]],
+        "record_path": record_path, "record": "current", "verified": "sums",
+    }
 
 
 class PatchStates(FactBase):
@@ -135,7 +143,7 @@ class PatchStates(FactBase):
         {
             "python": "/opt/ml-env/bin/python", "package": "sglang",
             "installed": True, "version": "0.5.9",
-            "site_packages": "/opt/ml-env/lib/python3.12/site-packages",
+            "site_packages": "/opt/ml-env/lib/python3.12/site-packages",   # None when answered from the record
             "patch_set": "0.5.9",             # None: no set for this version
             "patches": [{
                 "name": "0001-sm120-torch-symm-mem", "sha256": "<of the patch file>",
@@ -146,13 +154,15 @@ class PatchStates(FactBase):
                 "files": [{"path", "state", "sha256_before", "sha256"}],
             }],
             "record_path": "...", "record": "current",   # current | stale | missing
+            "sums": "...",                    # a set in place, checked by python: its sums to keep
+            "verified": "sums",               # instead of "sums": answered from the record, its sums held
         }
 
     ``installed`` is False (with ``python_missing`` when there is no interpreter) if
     the package is not installed there.
     """
 
-    probe_background = True  # starts python, unless its memo holds (facts/probe.py)
+    slow = True  # starts python, unless the sums hold
 
     def command(
         self,
@@ -164,4 +174,6 @@ class PatchStates(FactBase):
         return remote_command(python, "check", package, record_path, patch_root)
 
     def process(self, output: list) -> dict:
+        if output and output[0] == SUMS_HOLD and len(output) >= 3:
+            return from_record(output[1], output[2], json.loads("\n".join(output[3:])))
         return json.loads("\n".join(output))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
-from dataclasses import dataclass
 
 from pyinfra.api import FactBase
 from pyinfra.facts.server import Users
@@ -28,6 +27,8 @@ class VenvTarget(FactBase):
 
     Returns ``{"kind": "link", "target": "<resolved path>"}``, ``{"kind": "directory"}`` (a
     hand-made venv not yet adopted as a release) or ``{"kind": "absent"}``.
+
+    + path: the stable venv path
     """
 
     def command(self, path: str) -> str:
@@ -65,6 +66,8 @@ def release_id_of(venv_target: str | None, releases_dir: str) -> str | None:
 class Releases(FactBase):
     """
     Names of the release directories under `releases_dir` (empty when there is none).
+
+    + releases_dir: where the venv step builds releases (``venv_releases_dir``)
     """
 
     def command(self, releases_dir: str) -> str:
@@ -85,6 +88,8 @@ class PatchsetDigest(FactBase):
     The patches step records the set it applied in ``<release>/patches.json`` (docs/design.md);
     its operation's default is ``<release>/venv/servestack-patches.json``: both are read, so a
     change in either is a patch-set change.
+
+    + release_dir: the release's directory
     """
 
     def command(self, release_dir: str) -> str:
@@ -107,23 +112,9 @@ def combine_digests(lines: list[str]) -> str | None:
     return hashlib.sha256(" ".join(entries).encode()).hexdigest()
 
 
-@dataclass(frozen=True)
-class UnitShow:
-    """`systemctl show` of a unit's UNIT_PROPERTIES as a shell assignment: `$<var>` holds what it
-    printed (stderr too), `$<var>_rc` its exit status. The UnitState fact and the verification
-    host script both read it; in one probe command it runs once (facts/probe.py `probe_parts`).
-    The variable is named for the unit, so two units' reads never share it."""
-
-    unit: str
-
-    @property
-    def var(self) -> str:
-        return "svc_" + hashlib.sha256(self.unit.encode()).hexdigest()[:12]
-
-    @property
-    def assignment(self) -> str:
-        return (f"{self.var}=$(systemctl show --property={','.join(UNIT_PROPERTIES)} -- "
-                f"{shlex.quote(self.unit)} 2>&1 </dev/null); {self.var}_rc=$?")
+def show_command(unit: str) -> str:
+    """`systemctl show` of a unit's UNIT_PROPERTIES (stdin closed: it may run inside a batch)."""
+    return f"systemctl show --property={','.join(UNIT_PROPERTIES)} -- {shlex.quote(unit)} </dev/null"
 
 
 class UnitState(FactBase):
@@ -131,19 +122,15 @@ class UnitState(FactBase):
     `systemctl show` properties of a unit, as a dict; ``{"SystemdRunning": "no"}`` where systemd
     is not the init system (containers, some cloud images).
 
-    An unknown unit reports ``LoadState=not-found`` and ``ActiveState=inactive``.
+    An unknown unit reports ``LoadState=not-found`` and ``ActiveState=inactive``; a failing
+    `systemctl show` reads as ``{}``.
 
     + unit: the unit's name
     """
 
-    def probe_parts(self, unit: str) -> tuple[str, str]:
-        """(the shared `systemctl show` read, what this fact prints from it): see facts/probe.py."""
-        show = UnitShow(unit)
-        return show.assignment, (f"if [ -d /run/systemd/system ]; then [ ${show.var}_rc = 0 ] && "
-                                 f"printf '%s\\n' \"${show.var}\"; else echo SystemdRunning=no; fi; true")
-
     def command(self, unit: str) -> str:
-        return "\n".join(self.probe_parts(unit))
+        return (f"if [ -d /run/systemd/system ]; then {show_command(unit)} 2>/dev/null || true; "
+                "else echo SystemdRunning=no; fi")
 
     def process(self, output):
         return parse_properties(output)
@@ -164,6 +151,8 @@ def parse_properties(lines: list[str]) -> dict[str, str]:
 class ServiceRecord(FactBase):
     """
     servestack's record of the last unit that passed the health gate (a JSON object), or None.
+
+    + path: the record's file
     """
 
     def command(self, path: str) -> str:
@@ -184,6 +173,8 @@ def parse_record(lines: list[str]) -> dict | None:
 class UserEntry(FactBase):
     """
     The passwd entry of a user as ``{"uid": int, "home": str, "shell": str}``, or None.
+
+    + user: the user's name
     """
 
     def command(self, user: str) -> str:
@@ -200,7 +191,9 @@ class UserAccount(Users):
     """
     pyinfra's ``Users`` fact for one user: ``{user: {"home", "shell", "comment", "group", "groups", ...}}``
     or ``{}``. Same parser; reads one passwd entry instead of running ``id`` and ``lastlog`` for
-    every account on the host (~0.4 s).
+    every account on the host.
+
+    + user: the user's name
     """
 
     def command(self, user: str) -> str:
@@ -213,6 +206,8 @@ class UserAccount(Users):
 class PathOwner(FactBase):
     """
     Owner name and octal mode of a path, as ``{"owner": "sglang", "mode": "750"}``, or None.
+
+    + path: the path
     """
 
     def command(self, path: str) -> str:
@@ -226,6 +221,9 @@ class PathOwner(FactBase):
 class UnreadableBy(FactBase):
     """
     Which of `paths` an existing `user` cannot read (a list; empty when the user does not exist yet).
+
+    + user: the user's name
+    + paths: the paths to check
     """
 
     def command(self, user: str, paths: list[str]) -> str:

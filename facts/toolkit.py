@@ -121,16 +121,8 @@ class ToolkitState:
     record_invalid: bool = False
     marker: dict | None = None                        # an install in progress (toolkit-install.json)
     files: dict = field(default_factory=dict)         # path -> FileStat | None
-    lines: tuple[str, ...] = field(default=(), compare=False, repr=False)  # as read (see `section_lines`)
-
-    def section_lines(self, section: str) -> tuple[str, ...]:
-        """The lines `tree_command(install_path, "tree")` ("tree") or `link_chain_command` ("link")
-        printed in this read: what a script running the same command would print now, while
-        nothing changed the toolkit (servestack/checks.py's host script replays them)."""
-        return tuple(line for line in self.lines if line.startswith(_SECTION_PREFIXES[section]))
 
 
-_SECTION_PREFIXES = {"tree": ("tree_",), "link": ("hop ", "link_kind ", "link_resolved ")}
 
 
 def record_path(state_dir: str) -> str:
@@ -139,10 +131,6 @@ def record_path(state_dir: str) -> str:
 
 def marker_path(state_dir: str) -> str:
     return f"{state_dir.rstrip('/')}/toolkit-install.json"
-
-
-def _q(value: str) -> str:
-    return shlex.quote(value)
 
 
 def resolved_path(word: str) -> str:
@@ -164,7 +152,7 @@ def dpkg_may_own(path: str) -> str:
 
 def tree_command(path: str, prefix: str = "tree") -> str:
     """Print `<prefix>_*` lines describing the toolkit tree at `path` (see `parse_tree`)."""
-    p = _q(path)
+    p = shlex.quote(path)
     return (
         f"if [ -L {p} ]; then printf '%s %s\\n' {prefix}_symlink \"$(readlink {p})\"; fi; "
         f"if [ -d {p} ]; then "
@@ -218,7 +206,7 @@ def parse_tree(path: str, lines: list[str], prefix: str = "tree") -> Tree:
 
 def link_chain_command(path: str) -> str:
     """Print `hop <link> -> <target>` per symlink hop, then `link_kind ...` and `link_resolved ...`."""
-    p = _q(path)
+    p = shlex.quote(path)
     return (
         f"p={p}; n=0; while [ -L \"$p\" ] && [ $n -lt 16 ]; do t=$(readlink \"$p\"); "
         "printf 'hop %s -> %s\\n' \"$p\" \"$t\"; case \"$t\" in /*) p=$t ;; *) p=${p%/*}/$t ;; esac; "
@@ -247,7 +235,7 @@ def parse_link_chain(path: str, lines: list[str]) -> LinkChain:
 
 def stat_command(path: str) -> str:
     """Print `file <size> <mtime> <inode> <path>` or `nofile <path>`."""
-    p = _q(path)
+    p = shlex.quote(path)
     return (f"if [ -f {p} ]; then printf 'file %s %s\\n' \"$(stat -c '%s %Y %i' {p})\" {p}; "
             f"else printf 'nofile %s\\n' {p}; fi")
 
@@ -266,11 +254,12 @@ def parse_stats(lines: list[str]) -> dict:
 def toolkits_command(install_path: str, keep_paths: tuple[str, ...], link_path: str,
                      state_dir: str, files: tuple[str, ...]) -> str:
     parts = ["echo \"arch $(uname -m)\"", tree_command(install_path, "tree")]
-    parts += [f"if [ -d {_q(path)} ]; then k=1; else k=0; fi; printf 'keep %s %s\\n' $k {_q(path)}"
-              for path in keep_paths]
+    parts += [f"if [ -d {q} ]; then k=1; else k=0; fi; printf 'keep %s %s\\n' $k {q}"
+              for q in map(shlex.quote, keep_paths)]
     parts.append(link_chain_command(link_path))
     for key, path in (("record", record_path(state_dir)), ("marker", marker_path(state_dir))):
-        parts.append(f"if [ -f {_q(path)} ]; then printf '%s %s\\n' {key} \"$(tr -d '\\n' < {_q(path)})\"; fi")
+        q = shlex.quote(path)
+        parts.append(f"if [ -f {q} ]; then printf '%s %s\\n' {key} \"$(tr -d '\\n' < {q})\"; fi")
     parts += [stat_command(path) for path in files]
     return "; ".join(parts) + "; true"
 
@@ -300,20 +289,7 @@ def parse_toolkits(install_path: str, link_path: str, lines: list[str]) -> Toolk
         record_invalid=record_invalid,
         marker=marker,
         files=parse_stats(lines),
-        lines=tuple(lines),
     )
-
-
-# pyinfra calls process(output) without the command's arguments; the fact passes them through
-# the output by printing them first.
-def _with_header(header: dict, command: str) -> str:
-    return f"echo {_q('args ' + json.dumps(header, sort_keys=True))}; {command}"
-
-
-def _split_header(output: list[str]) -> tuple[dict, list[str]]:
-    if output and output[0].startswith("args "):
-        return json.loads(output[0][5:]), output[1:]
-    return {}, output
 
 
 class CudaToolkits(FactBase):
@@ -326,20 +302,18 @@ class CudaToolkits(FactBase):
     + files: runfile paths to stat (cached file, partial download, pre-staged file)
     """
 
-    probe_background = True  # starts nvcc (facts/probe.py)
+    slow = True  # starts nvcc (facts/batch.py)
 
     def command(self, install_path, keep_paths, link_path, state_dir, files=()):
-        header = {"install_path": install_path, "link_path": link_path}
-        return _with_header(header, toolkits_command(install_path, tuple(keep_paths), link_path,
-                                                     state_dir, tuple(files)))
+        self.install_path, self.link_path = install_path, link_path   # for process (pyinfra's own way)
+        return toolkits_command(install_path, tuple(keep_paths), link_path, state_dir, tuple(files))
 
     @staticmethod
     def default():
         return None
 
     def process(self, output):
-        header, lines = _split_header(output)
-        return parse_toolkits(header["install_path"], header["link_path"], lines)
+        return parse_toolkits(self.install_path, self.link_path, output)
 
 
 @dataclass(frozen=True)
@@ -379,7 +353,7 @@ class Fingerprint:
 
 def fingerprint_command(path: str) -> str:
     """Print the fingerprint lines of the tree at `path`: nvcc, version.json, file count and hash."""
-    p = _q(path)
+    p = shlex.quote(path)
     listing = (f"find {p}/ -mindepth 1 \\( -type f -printf 'f\\t%P\\t%s\\n' \\) "
                "-o \\( -type l -printf 'l\\t%P\\t%l\\n' \\) -o -printf '%y\\t%P\\n' | LC_ALL=C sort")
     return (
@@ -421,15 +395,15 @@ class ToolkitFingerprint(FactBase):
     """
 
     def command(self, path):
-        return _with_header({"path": path}, fingerprint_command(path))
+        self.path = path
+        return fingerprint_command(path)
 
     @staticmethod
     def default():
         return None
 
     def process(self, output):
-        header, lines = _split_header(output)
-        return parse_fingerprint(header["path"], lines)
+        return parse_fingerprint(self.path, output)
 
 
 @dataclass(frozen=True)
@@ -445,7 +419,7 @@ class Digest:
 
 def digest_command(path: str) -> str:
     """Stat, then md5sum and sha256sum run concurrently (the page cache makes it one disk read)."""
-    p = _q(path)
+    p = shlex.quote(path)
     return (f"if [ -f {p} ]; then {stat_command(path)}; "
             f"{{ md5sum {p} | sed 's/^/md5 /' & sha256sum {p} | sed 's/^/sha256 /'; wait; }}; "
             f"else printf 'nofile %s\\n' {p}; fi")
@@ -470,12 +444,12 @@ class RunfileDigest(FactBase):
     """
 
     def command(self, path):
-        return _with_header({"path": path}, digest_command(path))
+        self.path = path
+        return digest_command(path)
 
     @staticmethod
     def default():
         return None
 
     def process(self, output):
-        header, lines = _split_header(output)
-        return parse_digest(header["path"], lines)
+        return parse_digest(self.path, output)

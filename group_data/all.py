@@ -1,5 +1,9 @@
 """Fleet-wide overrides of the manifest defaults (files/stack.toml). Every key is optional.
 
+`servestack keys` lists them. Keys of your own may live here too, but one that reads as a mistyped
+servestack key (`servce_port`, `tp`, `sglang_port`) stops the run before it connects, with a "did
+you mean"; list a key of yours that only looks like one in `servestack_user_keys` (README "Host data").
+
 Examples (uncomment to use):
 
 # Air-gapped fleet: fetch the CUDA runfile from a mirror, Python packages from an internal index.
@@ -16,5 +20,5 @@ Examples (uncomment to use):
 # Service
 # service_model_path = "/models/Kimi-K2.5-NVFP4"
 # service_draft_model_path = "/models/kimi-k2.5-eagle3"
-# service_secret_env = ["HF_TOKEN"]
+# service_secret_env = ["HF_TOKEN"]   # each must be set in the control machine's environment
 """

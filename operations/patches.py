@@ -1,20 +1,41 @@
-"""SGLang source patches: servestack's fixes for the installed sglang, keyed by version."""
+"""SGLang source patches: servestack's fixes for the installed sglang, keyed by version.
+
+deploy.py calls `patches.patches(release)` with the release `venv.plan()` chose, after the build and
+before the activation. The one fact read is PatchStates (facts/patches.py; `host_reads` lists it
+with the arguments the operation passes).
+"""
 
 from __future__ import annotations
 
 from pyinfra import host, logger
-from pyinfra.api import OperationError, deploy, operation
+from pyinfra.api import deploy, operation
 from pyinfra.api.output import format_text
 
-from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, memo_write_command, remote_command
-from facts.probe import FactRequest
-from operations.venv import planned_only, planned_release
-from servestack import patchlib, probe
-from servestack.hostrun import keep
+from facts.batch import FactRequest
+from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, remote_command, sums_write_command
+from operations.releases import Release
+from servestack import patchlib, reads
+from servestack.hostrun import noop, refuse, write_record
 from servestack.settings import host_settings
 
 PACKAGE = "sglang"
 RECORD_FILE = "patches.json"
+
+
+def record_path(release: Release) -> str:
+    """Where the patch step records the set it applied to a release."""
+    return f"{release.dir}/{RECORD_FILE}"
+
+
+def patch_fact_arguments(python: str, record_path: str | None = None, patch_root: str = str(PATCH_ROOT)) -> dict:
+    return {"python": python, "package": PACKAGE, "record_path": record_path, "patch_root": patch_root}
+
+
+def host_reads(settings, release: Release | None = None) -> list[FactRequest]:
+    """What this step reads of a host: the patch state of the release (nothing without one)."""
+    if release is None:
+        return []
+    return [FactRequest.of(PatchStates, **patch_fact_arguments(release.python, record_path(release)))]
 
 
 @operation()
@@ -42,35 +63,35 @@ def sglang_patches(python: str, record_path: str | None = None, patch_root: str 
             record_path="/opt/servestack/releases/2026-01-01/servestack-patches.json",
         )
     """
-    status = probe.fact(host, PatchStates, python=python, package=PACKAGE, record_path=record_path,
-                        patch_root=patch_root)
+    status = reads.fact(host, PatchStates, **patch_fact_arguments(python, record_path, patch_root))
     if not status["installed"]:
         what = f"no python at {python}" if status.get("python_missing") else f"{PACKAGE} is not installed in {python}"
         if host.state.is_executing:
-            raise OperationError(f"{PACKAGE} patches: {what}")
+            yield from refuse(host, [f"{PACKAGE} patches: {what}"])
+            return
         yield from _predict_for_unbuilt_release(python, record_path, patch_root, what)
         return
 
     version = status["version"]
     if status["patch_set"] is None:
-        host.noop(f"{PACKAGE} patches: no patch set for {PACKAGE} {version}, nothing to apply")
+        noop(host, f"{PACKAGE} patches: no patch set for {PACKAGE} {version}, nothing to apply")
         return
 
     patches = status["patches"]
     problem = patchlib.refusal(patches)
     if problem:
-        raise OperationError(f"{PACKAGE} {version} patches refused, no file changed: {problem}")
+        yield from refuse(host, [f"{PACKAGE} {version} patches refused, no file changed: {problem}"])
+        return
 
     pending = [p for p in patches if p["state"] == "applicable"]
     if not pending and status["record"] == "current":
-        _keep_memo(record_path, status)
-        host.noop(f"{PACKAGE} {version} patches: all in place ({_summary(patches)})")
+        _keep_sums(status)
+        noop(host, f"{PACKAGE} {version} patches: all in place ({_summary(patches)})")
         return
 
     if host.state.config.DIFF:
         _log_diffs(pending, status)
     yield remote_command(python, "apply", PACKAGE, record_path, patch_root)
-    probe.changed(host)  # the release's sources and its patch record (named in the service's unit)
 
 
 def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what: str):
@@ -82,7 +103,7 @@ def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what
     version = host_settings(host).manifest.package(PACKAGE).version
     patch_set = load_patch_sets(PACKAGE, patch_root).get(version)
     if patch_set is None:
-        host.noop(f"{PACKAGE} patches: no patch set for {PACKAGE} {version}, nothing to apply")
+        noop(host, f"{PACKAGE} patches: no patch set for {PACKAGE} {version}, nothing to apply")
         return
     names = ", ".join(name for name, _ in patch_set["patches"])
     host.log(f"{PACKAGE} patches: {what} yet (built by an earlier step): will apply {names} "
@@ -91,14 +112,15 @@ def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what
         _log_diffs([{"name": name, "diff": text} for name, text in patch_set["patches"]],
                    {"site_packages": f"the new release ({python})"})
     yield remote_command(python, "apply", PACKAGE, record_path, patch_root)
-    probe.changed(host)
 
 
-def _keep_memo(record_path: str | None, status: dict) -> None:
-    """Keep the check's answer on the host for later converges (bookkeeping, like the lock: not a
-    change; never in a dry run). Only an answer the host's python just gave carries a memo."""
-    if record_path and status.get("memo") and host.state.is_executing:
-        keep(host, memo_write_command(record_path, status["memo"]), f"the patch check's memo beside {record_path}")
+def _keep_sums(status: dict) -> None:
+    """A set python found in place (its sums did not hold, or there were none, e.g. a release
+    patched by an older servestack): keep its sums for the next check. Bookkeeping, not a change;
+    never in a dry run."""
+    if status.get("sums") and status.get("record_path") and host.state.is_executing:
+        write_record(host, sums_write_command(status["record_path"], status["sums"]),
+                     f"the patch sums beside {status['record_path']}")
 
 
 def _summary(patches: list) -> str:
@@ -117,23 +139,7 @@ def _log_diffs(pending: list, status: dict) -> None:
         host.log(f"Will rewrite the record {status['record_path']} ({status['record']})", logger.info)
 
 
-def release_paths() -> tuple:
-    """(python, record_path) of the release this run leaves active (built by the venv step)."""
-    release = planned_release(host)
-    return release.python, f"{release.dir}/{RECORD_FILE}"
-
-
-@probe.expects
-def _expected_facts(host_) -> list[FactRequest]:
-    release = planned_only(host_)
-    if release is None:
-        return []
-    return [FactRequest.of(PatchStates, python=release.python, package=PACKAGE,
-                           record_path=f"{release.dir}/{RECORD_FILE}", patch_root=str(PATCH_ROOT))]
-
-
 @deploy("SGLang patches")
-def patches():
-    """Apply the SGLang source patches to the release's environment."""
-    python, record_path = release_paths()
-    sglang_patches(name="Apply SGLang source patches", python=python, record_path=record_path)
+def patches(release: Release):
+    """Apply the SGLang source patches to `release`'s environment (``venv.plan()``)."""
+    sglang_patches(name="Apply SGLang source patches", python=release.python, record_path=record_path(release))

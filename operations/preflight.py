@@ -1,57 +1,56 @@
 """Step `preflight`: refuse a host before anything changes on it, then hold its lock for the run.
 
 Checks (stable names, shared with `servestack doctor`): driver, gpus, compute_capability, arch,
-install_path, runfile, disk, lock, link, kept_toolkits. They are read from one fact
-(facts.preflight.HostPreflight) and judged by `evaluate`. Any failed check refuses the host, one
-line per problem naming the host:
+install_path, runfile, disk, lock, link, kept_toolkits, judged by `evaluate` from what
+`read_preflight` reads (the GPUs, free disk, the lock and the toolkits). Any failed check refuses
+the host, one line per problem naming it.
 
-- `preflight()` runs the checks while pyinfra prepares the deploy (with or without -y, and so in
-  `--dry`): a refused host is marked failed before any operation runs on it, not even `base`;
-  other hosts go on (pyinfra's --fail-percent applies; a refused host makes the exit status 1);
-- in the execute stage `host_ready` runs the checks again, then takes the lock atomically. The
-  execute stage starts from what prepare read (servestack/probe.py); when the lock's generation
-  shows that another run took the lock since, every read is dropped and the checks run again.
+- `preflight(reads)` runs the checks while pyinfra prepares the deploy (with or without -y, and so
+  in `--dry`): a refused host is marked failed before any operation runs on it; other hosts go on
+  (pyinfra's --fail-percent applies; a refused host makes the exit status 1). `reads` is what the
+  steps will read (deploy.py's `host_reads`): read here in the same remote command.
+- `lock(reads)`: in the execute stage, takes the host's lock (files/scripts/lock.sh; it creates
+  servestack's state directory if missing), then reads `reads` in one remote command, under the
+  lock, and runs the checks again on what it read. The steps read from there
+  (servestack/reads.py), and again once something changed.
 
-The lock (`<servestack_state_dir>/lock`, see facts/host.py) is run bookkeeping, not host state:
-taking and releasing it is not reported as a change, so a converged host still shows zero
-changes. `release_lock()` runs last in deploy.py; a host that fails midway has its lock released
-by a state callback at once; if the control machine itself dies, its SSH connection closes, the
-lock's owner process on the host exits with it, and the next run finds the lock stale and
-replaces it (saying so).
+The lock is run bookkeeping, not host state: taking and releasing it is not reported as a change,
+so a converged host still shows zero changes. `release_lock()` runs last in deploy.py; a host that
+fails midway has its lock released by a state callback at once; if the control machine itself
+dies, its SSH connection closes and the next run finds the lock stale and replaces it (saying so).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 from pyinfra import host
 from pyinfra.api import deploy, operation
 
-from facts.gpu import GpuReport
-from facts.host import lock_path, parse_generation, release_lock_command, take_lock_command
-from facts.preflight import HostPreflight, PreflightFacts
-from facts.probe import FactRequest
-from facts.toolkit import CudaToolkits, parse_toolkits
+from facts.batch import FactRequest
+from facts.gpu import GpuReport, NvidiaGpus
+from facts.host import DiskSpace, HostLock, lock_path, parse_lock, release_lock_command, take_lock_command
+from facts.preflight import PreflightFacts
+from facts.toolkit import CudaToolkits
 from operations.toolkit import (
     assess_install,
     human_bytes,
     kept_paths,
     link_line,
-    runfile_candidates,
     runfile_source,
     toolkit_fact_arguments,
 )
-from servestack import probe
+from servestack import reads
+from servestack.checks.gpus import GpuExpectation
 from servestack.hostrun import (
     controller_id,
     is_executing,
-    kept_with_release,
+    lock_released,
     noop,
-    refusal,
+    refuse,
     refuse_now,
     release_lock_on_failure,
-    report_kept,
     run_id,
     run_remote,
     run_started,
@@ -80,33 +79,20 @@ def _fail(name: str, *problems: str) -> Check:
     return Check(name, "fail", "; ".join(problems), tuple(problems))
 
 
-def preflight_fact_arguments(settings: Settings, toolkit: bool = False) -> dict:
-    """HostPreflight's arguments; the deploy reads the toolkits as the toolkit step's own fact
-    (`preflight_requests`), `servestack doctor` asks for them here (`toolkit=True`)."""
-    return {
-        "state_dir": settings.servestack_state_dir,
-        "install_path": settings.cuda_install_path,
-        "keep_paths": kept_paths(settings),
-        "link_path": settings.manifest.cuda["link_path"],
-        "files": runfile_candidates(settings),
-        "disk_paths": (settings.cuda_cache_dir, settings.cuda_tmpdir, settings.cuda_install_path),
-        "toolkit": toolkit,
-    }
-
-
-def preflight_requests(settings: Settings) -> list[FactRequest]:
-    """What preflight reads: HostPreflight without its toolkit section, and the toolkit step's fact
-    (read once in the run: the execute stage starts from it until a step changes the toolkits)."""
-    return [FactRequest.of(HostPreflight, **preflight_fact_arguments(settings)),
+def host_reads(settings: Settings, release=None) -> list[FactRequest]:
+    """What preflight reads: the GPUs, free disk where the install writes, the lock, the toolkits
+    (the toolkit step's own fact, with its arguments)."""
+    return [FactRequest.of(NvidiaGpus),
+            FactRequest.of(DiskSpace, paths=(settings.cuda_cache_dir, settings.cuda_tmpdir,
+                                             settings.cuda_install_path)),
+            FactRequest.of(HostLock, state_dir=settings.servestack_state_dir),
             FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings))]
 
 
-@probe.expects
-def _expected_facts(host_) -> list[FactRequest]:
-    return preflight_requests(host_settings(host_))
-
-
-probe.decides(HostPreflight, CudaToolkits)  # preflight() returns whether the host may go on
+def read_preflight(host_, settings: Settings, also: list[FactRequest] = ()) -> PreflightFacts:
+    """Everything the checks judge, read with `also` in one remote command."""
+    gpu, disks, lock, toolkit = reads.read(host_, [*host_reads(settings), *also])[:4]
+    return PreflightFacts(gpu=gpu, disks=disks, lock=lock, toolkit=toolkit)
 
 
 def check_driver(settings: Settings, gpu: GpuReport) -> Check:
@@ -130,24 +116,17 @@ def check_gpus(settings: Settings, gpu: GpuReport) -> Check:
         return _fail("gpus", gpu.error)
     if not gpu.gpus:
         return _fail("gpus", "no GPU visible")
-    if len(gpu.gpus) != settings.gpu_count:
+    if GpuExpectation.of(settings).count_differs(gpu):
         return _fail("gpus", f"{len(gpu.gpus)} GPUs visible, expected {settings.gpu_count} (gpu_count)")
     names = sorted({g.name for g in gpu.gpus})
     return _ok("gpus", f"{len(gpu.gpus)} x {', '.join(names)}")
-
-
-def _capability(text: str) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(part) for part in text.strip().split("."))
-    except ValueError:
-        return None
 
 
 def check_compute_capability(settings: Settings, gpu: GpuReport) -> Check:
     want = settings.gpu_compute_capability
     if not gpu.gpus:
         return Check("compute_capability", "skip", "no GPU to check")
-    differ = [g for g in gpu.gpus if _capability(g.compute_cap) != _capability(want)]
+    differ = GpuExpectation.of(settings).other_capability(gpu)
     if differ:
         listed = ", ".join(f"{g.describe()} is {g.compute_cap}" for g in differ)
         return _fail("compute_capability",
@@ -234,8 +213,10 @@ def check_lock(settings: Settings, facts: PreflightFacts, run: str | None) -> Ch
     if lock.alive:
         return _fail("lock", f"another servestack run holds {path}: {lock.describe()}; {lock.why_alive()}. "
                              "Wait for it to finish (remove the file only if you are sure it is gone)")
-    return Check("lock", "warn", f"stale lock in {path} ({lock.describe()}; its connection is gone): "
-                                 "replaced when a run starts")
+    interrupted = f", interrupted during {lock.doing()}" if lock.doing() else ""
+    return Check("lock", "warn", f"the previous run did not finish on this host: stale lock in {path} "
+                                 f"({lock.describe()}{interrupted}; its connection is gone): replaced when "
+                                 "this run takes the lock")
 
 
 def check_link(settings: Settings, facts: PreflightFacts) -> Check:
@@ -280,99 +261,62 @@ def problems_of(checks: list[Check]) -> list[str]:
     return [problem for check in checks if check.status == "fail" for problem in check.problems]
 
 
-@dataclass(frozen=True)
-class LockTake:
-    taken: bool
-    what: str               # what happened, for the log or the refusal
-    generation: int = 0     # lock.generation once taken
-    ours: bool = False      # this run held it already
-
-
-def _take_lock(settings: Settings) -> LockTake:
-    """Take the host lock for this run now; the same remote command reads the host for the steps
-    (probe.run_and_read_ahead), under the lock."""
+def _take_lock(settings: Settings) -> tuple[bool, str]:
+    """Take the host lock for this run now: (taken, what happened, for the log or the refusal)."""
     state = host.state
     command = take_lock_command(settings.servestack_state_dir, run_id(state), controller_id(), run_started(state))
-    ok, stdout, stderr = probe.run_and_read_ahead(host, command)
+    ok, stdout, stderr = run_remote(host, command)
     path = lock_path(settings.servestack_state_dir)
     held = [line[5:] for line in stdout if line.startswith("held ")]
     if held:
-        return LockTake(False, f"another servestack run holds {path}: {held[0]}")
+        return False, f"another servestack run holds {path}: {held[0]}"
     if not ok:
-        return LockTake(False, f"cannot take {path}: {' '.join(stderr) or 'unknown error'}")
+        return False, f"cannot take {path}: {' '.join(stderr) or 'unknown error'}"
     stale = [line[6:] for line in stdout if line.startswith("stale ")]
-    note = f" (replaced a stale lock: {stale[0]})" if stale else ""
-    generation = [parse_generation(line[11:]) for line in stdout if line.startswith("generation ")]
-    return LockTake(True, f"lock {path} held by run {run_id(state)}{note}", (generation or [0])[0], "ours" in stdout)
-
-
-def _read_before_another_run(take: LockTake, facts: PreflightFacts) -> bool:
-    """Another run took the lock after `facts` were read (maybe in the prepare stage): what this run
-    read of the host before now may be out of date."""
-    return not take.ours and take.generation != facts.lock.generation + 1
-
-
-def _read_facts(settings: Settings) -> PreflightFacts | None:
-    facts, toolkits = probe.facts(host, preflight_requests(settings))
-    if facts is None:
-        return None
-    return replace(facts, toolkit=toolkits or parse_toolkits(settings.cuda_install_path,
-                                                             settings.manifest.cuda["link_path"], []))
+    if not stale:
+        return True, f"lock {path} held by run {run_id(state)}"
+    interrupted = [parse_lock(["lock {}", line]).doing() for line in stdout if line.startswith("activity ")]
+    during = f"; it was interrupted during {interrupted[0]}" if interrupted else ""
+    return True, f"lock {path} held by run {run_id(state)} (replaced a stale lock: {stale[0]}{during})"
 
 
 @operation()
-def host_ready():
+def host_locked(reads: tuple[FactRequest, ...] = ()):
     """
-    Refuse this host if any preflight check fails; in the execute stage, take its lock.
+    Take this host's lock for the run, then read the host once and check it again. Never a change.
 
-    Reads the host data of servestack.settings; takes no arguments. Never reports a change.
+    + reads: what the steps will read (deploy.py's ``host_reads``), read right after the take
     """
     settings = host_settings(host)
-    facts = _read_facts(settings)
-    checks = evaluate(settings, facts, run_id(host.state))
-    problems = problems_of(checks)
-    if problems:
-        if is_executing(host):
-            yield refusal(problems)
-        else:
-            refuse_now(host, problems)
-        return
-    for check in checks:
-        if check.status == "warn":
-            host.log(f"preflight {check.name}: {check.detail}")
     if not is_executing(host):
-        noop(host, "preflight passed (" + "; ".join(f"{c.name}: {c.detail}" for c in checks if c.status == "ok") + ")")
+        read_preflight(host, settings, list(reads))
+        noop(host, "the host's lock is taken when the run starts")
         return
-    take = _take_lock(settings)
-    if not take.taken:
-        yield refusal([take.what])
+    taken, what = _take_lock(settings)
+    if not taken:
+        yield from refuse(host, [what])
         return
-    release_lock_on_failure(host, settings.servestack_state_dir)
-    if "stale" in take.what:
-        host.log(take.what)
-    if _read_before_another_run(take, facts):
-        probe.changed(host)  # every step reads the host afresh
-        host.log(f"another run took the lock since this run read the host (lock generation "
-                 f"{facts.lock.generation} -> {take.generation}): reading it again")
-        problems = problems_of(evaluate(settings, _read_facts(settings), run_id(host.state)))
-        if problems:
-            yield refusal(problems)
-            return
-    noop(host, f"preflight passed; {take.what}")
+    release_lock_on_failure(host, release_lock_command(settings.servestack_state_dir, run_id(host.state)))
+    if "stale" in what:
+        host.log(what)
+    problems = problems_of(evaluate(settings, read_preflight(host, settings, list(reads)), run_id(host.state)))
+    if problems:
+        yield from refuse(host, problems)
+        return
+    noop(host, f"preflight passed; {what}")
 
 
 @operation()
-def lock_released():
+def lock_free():
     """
-    Release this run's host lock (taken by `host_ready`). Never reports a change.
+    Release this run's host lock (taken by ``host_locked``). Never reports a change.
     """
     settings = host_settings(host)
     if not is_executing(host):
         noop(host, "the lock is released at the end of the run")
         return
-    command, kept = kept_with_release(host, release_lock_command(settings.servestack_state_dir, run_id(host.state)))
-    ok, stdout, stderr = run_remote(host, command)
-    report_kept(host, stdout, stderr, kept)
+    ok, stdout, stderr = run_remote(host, release_lock_command(settings.servestack_state_dir, run_id(host.state)))
+    lock_released(host)
     if not ok:
         host.log(f"could not release {lock_path(settings.servestack_state_dir)}: {' '.join(stderr)}")
     noop(host, "lock released" if "released" in stdout else "lock was not held by this run")
@@ -380,23 +324,37 @@ def lock_released():
 
 
 @deploy("Preflight")
-def preflight() -> bool:
-    """Check the host, refusing it on any problem, and take its lock. Returns False for a refused host.
+def preflight(reads: list[FactRequest] = ()) -> bool:
+    """Check the host, refusing it on any problem. Returns False for a refused host.
+
+    + reads: what the steps will read (deploy.py's ``host_reads``), read with preflight's own facts
 
     The checks run here, while pyinfra prepares the deploy (also with -y, which skips change
-    detection), so a refused host runs no operation at all, not even the ones before this.
-    deploy.py skips the remaining steps of a refused host: `if preflight.preflight(): ...`.
+    detection), so a refused host runs no operation at all. deploy.py skips the remaining steps of
+    a refused host: ``if preflight.preflight(...): ...``.
     """
     settings = host_settings(host)
-    problems = problems_of(evaluate(settings, _read_facts(settings), run_id(host.state)))
+    checks = evaluate(settings, read_preflight(host, settings, list(reads)), run_id(host.state))
+    problems = problems_of(checks)
     if problems:
         refuse_now(host, problems)
         return False
-    host_ready(name="preflight checks and host lock")
+    for check in checks:
+        if check.status == "warn":
+            host.log(f"preflight {check.name}: {check.detail}")
     return True
+
+
+@deploy("Lock")
+def lock(reads: list[FactRequest] = ()):
+    """Take the host's lock for the run and read the host once, under it (call after planning).
+
+    + reads: what the steps will read (deploy.py's ``host_reads``, with the planned release)
+    """
+    host_locked(name="host lock and preflight checks", reads=tuple(reads))
 
 
 @deploy("Release lock")
 def release_lock():
     """Release the host lock; call last in deploy.py."""
-    lock_released(name="release the host lock")
+    lock_free(name="release the host lock")

@@ -32,6 +32,7 @@ import base64
 import hashlib
 import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,13 +206,12 @@ def tool_command(python: str, command: str, params: dict) -> str:
     script = TOOL.read_text()
     if HEREDOC in script:
         raise AssertionError(f"{TOOL} must not contain {HEREDOC}")
-    return f"{python} -I -S - {command} {encode(params)} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
+    return f"{shlex.quote(python)} -I -S - {command} {encode(params)} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
 
 
 def guarded_tool_command(python: str, command: str, params: dict) -> str:
     """A tool command that prints nothing (instead of failing) when the host has no `python`."""
-    return (f"if command -v {python} >/dev/null 2>&1; then {tool_command(python, command, params)}\n"
-            f"fi")
+    return f"if command -v {shlex.quote(python)} >/dev/null 2>&1; then {tool_command(python, command, params)}\nfi"
 
 
 # --- decisions ----------------------------------------------------------------------------------
@@ -257,18 +257,18 @@ def rollback_target(history: list, releases: dict, active: str | None, explicit:
     activations are not deploys, so running rollback again picks the same target (a no-op);
     running deploy.py again rolls forward. `explicit` (venv_rollback_to) names any kept release.
     """
+    kept = ", ".join(sorted(releases)) or "none"
     if explicit:
         target, why = explicit, f"venv_rollback_to={explicit}"
     else:
         deploys = [entry for entry in history if entry.get("by") == "deploy"]
         if not deploys or not deploys[-1].get("previous"):
-            raise NoRollbackTarget("nothing to roll back to: no release was active before the last deploy"
-                                   + (f" (active: {active})" if active else ""))
+            raise NoRollbackTarget("nothing to roll back to: no release was active before the last deploy ("
+                                   + (f"active: {active}; " if active else "") + f"kept releases: {kept})")
         target = deploys[-1]["previous"]
         why = f"the release active before the deploy of {deploys[-1]['release']}"
     record = releases.get(target)
     if record is None:
-        kept = ", ".join(sorted(releases)) or "none"
         raise NoRollbackTarget(f"cannot roll back to {target} ({why}): it is not kept on the host "
                                f"(kept releases: {kept})")
     if record.get("status") != "ok" or not record.get("has_venv"):

@@ -1,6 +1,10 @@
 """The SGLang service: a pinned CUDA 13 systemd unit, restarted only when needed, health-gated.
 
-The unit names the active release's python by its release path, so a release switch, a patch-set
+`sglang_service(release)` is given the release this run leaves active (deploy.py: the one the
+venv step plans; rollback.py: the one it re-activates). In `--dry` on a fresh host that release
+does not exist yet, but its id and paths are known, so the unit's diff is the one the run writes.
+
+The unit names the release's python by its release path, so a release switch, a patch-set
 change (its digest is in the unit), a flag or an environment change is a unit change; the
 secrets file is compared by hash. A restart happens only when the fingerprint of unit + secrets
 differs from the one recorded after the last healthy start (or the service is not running), so a
@@ -9,6 +13,10 @@ one POST /generate and, on failure, re-activates the last known-good release and
 
 Hosts restart a batch at a time (`rollout_batch`, via pyinfra's per-operation `_parallel`) and the
 roll-out stops once more than `rollout_failure_budget` hosts failed their health gate.
+
+Host-side shell lives in files/scripts: the health gate (sglang-health-gate.sh), the secrets
+file's staging (secrets-file.sh) and atomic writes (atomic-write.sh, servestack/scripts.py).
+`host_reads` lists what the step reads, for deploy.py's one batched read.
 """
 
 from __future__ import annotations
@@ -19,33 +27,35 @@ import ipaddress
 import json
 import os
 import re
-import shlex
 from dataclasses import dataclass
 from io import StringIO
-from weakref import WeakKeyDictionary
 
 import jinja2
 from pyinfra import host, logger
 from pyinfra.api import FileUploadCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.output import format_text
+from pyinfra.api.state import BaseStateCallback
 from pyinfra.facts.files import Directory, FileContents, Sha256File
 from pyinfra.facts.server import Groups, Which
 from pyinfra.operations import server
 from pyinfra.operations.util.files import generate_color_diff
 
-from facts.probe import FactRequest
+from facts.batch import FactRequest
 from facts.service import (PatchsetDigest, PathOwner, Releases, ServiceRecord, UnitState, UnreadableBy,
                            UserAccount, UserEntry, VenvTarget, release_id_of)
-from operations import venv as venv_step
 from operations.releases import Release, release_at
-from servestack import probe
+from servestack import reads
 from servestack.errors import ConfigError
+from servestack.hostrun import noop, plan, refuse, refuse_now, while_busy
 from servestack.manifest import PROJECT_ROOT
+from servestack.pyinfra_hooks import inner
+from servestack.scripts import atomic_write_command, script
 from servestack.settings import Settings, host_settings
 
 TEMPLATES = PROJECT_ROOT / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "sglang.service.j2"
-GATE_SCRIPT = TEMPLATES / "sglang-health-gate.sh"
+GATE_SCRIPT = "sglang-health-gate.sh"      # files/scripts: the health gate, run as root
+SECRETS_SCRIPT = "secrets-file.sh"         # files/scripts: stages, places and removes the secrets file
 UNIT_DIR = "/etc/systemd/system"
 SECRETS_DIR = "/etc/servestack"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -54,7 +64,6 @@ FIRST_LOGIN_UID = 1000
 GENERATE_REQUEST = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 GENERATE_TIMEOUT_S = 300
 RUNNING_STATES = ("active", "activating", "reloading")
-PENDING_RELEASE = "(the release the venv step activates)"
 VENV_HISTORY = "releases.json"  # the venv step's activation history in the state dir (files/scripts/ml_env.py)
 
 # Environment pinned by servestack: host data may not override these (service_env / secrets).
@@ -265,7 +274,7 @@ def exec_start(settings: Settings, rel: Release) -> str:
 
 @functools.cache
 def _unit_template() -> jinja2.Template:
-    """Compiled once per run, not once per host and stage (~4 ms of the controller's CPU each)."""
+    """Compiled once per run, not once per host and stage."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
         trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
@@ -330,7 +339,7 @@ def secrets_content(host_name: str, names: tuple[str, ...], environ=os.environ) 
 
 def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
                      record: dict | None) -> dict[str, str]:
-    """Inputs of the health-gate script (files/templates/sglang-health-gate.sh)."""
+    """Inputs of the health-gate script (files/scripts/sglang-health-gate.sh)."""
     previous = (record or {}).get("release")
     if previous:
         previous_venv = release(settings, previous).venv
@@ -361,59 +370,59 @@ def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
 
 
 def gate_command(environment: dict[str, str]) -> StringCommand:
-    assignments = [QuoteString(f"{name}={value}") for name, value in environment.items()]
-    return StringCommand("env", *assignments, "bash", "-c", QuoteString(GATE_SCRIPT.read_text()),
-                         "servestack-health-gate")
+    return script(GATE_SCRIPT, env=environment)
 
 
-def fail_command(message: str) -> StringCommand:
-    """A command that fails the host with `message` (pyinfra prints a failed command's output)."""
-    return StringCommand("echo", QuoteString(f"servestack: {message}"), ">&2", "&&", "false")
+# -- the roll-out's failure budget ---------------------------------------------------------------------
+
+class GateFailures(BaseStateCallback):
+    """The hosts whose health gate failed in this run, per restart operation (its op hash).
+
+    pyinfra runs an operation with `_parallel=N` batch after batch, but marks hosts failed
+    (`state.failed_hosts`) only once every batch is done; it reports each host's failure to the
+    state's callbacks at once, so the roll-out's failure budget is counted here, before each
+    restart. Only hosts whose gate ran count: a host the roll-out stopped, or refused for another
+    reason, did not fail a health gate.
+    """
+
+    def __init__(self):
+        self.gated: set[tuple[str, str]] = set()   # (op hash, host name): the gate ran there
+        self.failed: dict[str, list[str]] = {}     # op hash -> host names, in order of failure
+
+    def gating(self, op_hash: str, host_name: str) -> None:
+        """The restart operation `op_hash` runs the health gate on this host now."""
+        self.gated.add((op_hash, host_name))
+
+    def operation_host_error(self, state, host, op_hash, retry_count=0, max_retries=0):
+        if (op_hash, host.name) in self.gated:
+            self.failed.setdefault(op_hash, []).append(host.name)
 
 
-# Hosts the roll-out stopped before restarting them, per run: they fail the operation too, but
-# did not fail a health gate, so they do not count against the failure budget.
-_STOPPED: "WeakKeyDictionary[object, set[str]]" = WeakKeyDictionary()
+def gate_failures(state) -> GateFailures:
+    """The run's `GateFailures`, registered with the state on first use."""
+    for handler in state.callback_handlers:
+        if isinstance(handler, GateFailures):
+            return handler
+    handler = GateFailures()
+    state.add_callback_handler(handler)
+    return handler
 
 
 def rollout_failures(state, op_hash: str) -> list[str]:
-    """Hosts whose health gate (this operation) has already failed in this run.
-
-    pyinfra runs an operation with `_parallel=N` batch after batch and fails hosts only once every
-    batch is done, so the roll-out's failure budget is enforced here, before each restart.
-    """
-    stopped = _STOPPED.get(state, set())
-    failed = []
-    for other in state.inventory:
-        op_data = state.ops.get(other, {}).get(op_hash)
-        if (op_data and op_data.operation_meta.is_complete() and op_data.operation_meta.did_error()
-                and other.name not in stopped):
-            failed.append(other.name)
-    return failed
+    """Hosts whose health gate (the restart operation `op_hash`) has already failed in this run."""
+    return list(gate_failures(state).failed.get(op_hash, ()))
 
 
-# -- facts the operations share ----------------------------------------------------------------------
+# -- what the operations read and share ----------------------------------------------------------------
 
-def active_release(settings: Settings) -> Release | None:
-    target = probe.fact(host, VenvTarget, path=settings.venv_path)
-    release_id = release_id_of(target.get("target"), settings.venv_releases_dir)
-    return release(settings, release_id) if release_id else None
+def unit_copy_path(settings: Settings, rel: Release) -> str:
+    """The copy of the unit kept in its release (the unit that release ran with)."""
+    return f"{rel.dir}/{settings.service_name}"
 
 
 def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[str, ...]) -> str:
-    patchset = probe.fact(host, PatchsetDigest, release_dir=rel.dir) if rel.id != PENDING_RELEASE else None
+    patchset = reads.fact(host, PatchsetDigest, release_dir=rel.dir)
     return render_unit(settings, rel, patchset, supplementary_groups, bool(settings.service_secret_env))
-
-
-def _release_or_pending(settings: Settings) -> Release | None:
-    """The release the unit runs: the active one when the deploy runs.
-
-    While only predicting (prepare, ``--dry``) the venv step has not switched anything yet: the
-    release it plans to activate in this run, else the active one, else a placeholder.
-    """
-    if host.state.is_executing:
-        return active_release(settings)
-    return venv_step.planned_only() or active_release(settings) or release(settings, PENDING_RELEASE)
 
 
 def local_model_paths(settings: Settings) -> list[str]:
@@ -424,37 +433,89 @@ def local_model_paths(settings: Settings) -> list[str]:
     return [path for path in paths if path.startswith("/")]
 
 
-def _no_release_message(settings: Settings) -> str:
-    return (f"{settings.venv_path} does not point at a release under {settings.venv_releases_dir}: "
-            "run the venv step (build_release, activate_release) before the service step")
+def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
+    """What `sglang_service` and its operations read of a host, with the arguments they pass
+    (deploy.py reads them all in one remote command); with `release`, also what they read of it.
+    Reads made only when something changes (the unit's text, the releases, unreadable model
+    paths) are not listed."""
+    requests = [
+        FactRequest.of(Groups),
+        FactRequest.of(UserEntry, user=settings.service_user),
+        FactRequest.of(VenvTarget, path=settings.venv_path),
+        FactRequest.of(UserAccount, user=settings.service_user),
+        FactRequest.of(Directory, path=home_dir(settings)),
+        FactRequest.of(Sha256File, path=secrets_path(settings)),
+        FactRequest.of(Which, command="curl"),
+        FactRequest.of(UnitState, unit=settings.service_name),
+        FactRequest.of(Sha256File, path=unit_path(settings)),
+        FactRequest.of(ServiceRecord, path=record_path(settings)),
+    ]
+    if release is not None:
+        requests += [
+            FactRequest.of(PathOwner, path=cache_dir(settings, release.id)),
+            FactRequest.of(PatchsetDigest, release_dir=release.dir),
+            FactRequest.of(Sha256File, path=unit_copy_path(settings, release)),
+        ]
+    return requests
 
 
 # -- operations ------------------------------------------------------------------------------------
 
+SERVICE_USER_COMMENT = "SGLang service (servestack)"
+SERVICE_USER_SHELL = "/usr/sbin/nologin"
+
+
+def _user_is_current(settings: Settings, groups: tuple[str, ...]) -> bool:
+    """What `server.user` below would check, from two small facts: no change when all match."""
+    existing = reads.fact(host, UserAccount, user=settings.service_user).get(settings.service_user)
+    home = reads.fact(host, Directory, path=home_dir(settings))
+    return bool(existing) and bool(home) and existing.get("home") == home_dir(settings) \
+        and existing.get("shell") == SERVICE_USER_SHELL and existing.get("comment") == SERVICE_USER_COMMENT \
+        and set(existing.get("groups") or ()) == set(groups) \
+        and home.get("user") == settings.service_user and home.get("group") == settings.service_user
+
+
 @operation()
-def cache_directory(settings: Settings):
+def service_user(settings: Settings, groups: tuple[str, ...] = ()):
     """
-    Create the JIT cache directory of the active release, owned by the service user.
+    The service's dedicated system user (pyinfra's ``server.user``), with its home directory.
+
+    + settings: the host's validated settings
+    + groups: its supplementary groups (the GPU device groups present on the host)
+    """
+    if _user_is_current(settings, groups):
+        noop(host, f"user {settings.service_user} exists as configured")
+        return
+    yield from inner(server.user)(
+        user=settings.service_user,
+        system=True,
+        shell=SERVICE_USER_SHELL,
+        home=home_dir(settings),
+        groups=list(groups),
+        comment=SERVICE_USER_COMMENT,
+    )
+
+
+@operation()
+def cache_directory(settings: Settings, release: Release):
+    """
+    Create the JIT cache directory of the release, owned by the service user.
 
     + settings: the host's validated settings (``servestack.settings.host_settings``)
+    + release: the release the service runs (deploy.py: the one this run leaves active)
 
     The directory is ``<service_cache_dir>/<cuda_version>-<release id>``: kernels compiled by
     one toolkit for one release are never picked up by another.
     """
-    rel = _release_or_pending(settings)
-    if rel is None:
-        yield fail_command(_no_release_message(settings))
+    path = cache_dir(settings, release.id)
+    if reads.fact(host, PathOwner, path=path) == {"owner": settings.service_user, "mode": "750"}:
+        noop(host, f"cache directory {path} exists")
         return
-    path = cache_dir(settings, rel.id)
-    found = probe.fact(host, PathOwner, path=path)
-    if found == {"owner": settings.service_user, "mode": "750"}:
-        host.noop(f"cache directory {path} exists")
-        return
-    user = shlex.quote(settings.service_user)
+    user = settings.service_user
     yield StringCommand("install", "-d", "-m", "755", "-o", "root", "-g", "root",
                         QuoteString(settings.service_cache_dir))
-    yield StringCommand("install", "-d", "-m", "750", "-o", user, "-g", user, QuoteString(path))
-    probe.changed(host, PathOwner)
+    yield StringCommand("install", "-d", "-m", "750", "-o", QuoteString(user), "-g", QuoteString(user),
+                        QuoteString(path))
 
 
 @operation()
@@ -465,44 +526,46 @@ def secrets_file(settings: Settings, content: Secret | None):
     + settings: the host's validated settings
     + content: the file's text (from ``secrets_content``), or None for no secrets file
 
-    The file is compared by sha256. Its content is never logged or diffed: with ``--diff`` the
-    operation says only that the secrets file changed. The text is uploaded into a file that is
-    0600 before any byte is written, through a private (0700) temporary directory.
+    The file is compared by sha256. Its content is never logged, diffed or put on a command line:
+    with ``--diff`` the operation says only that the secrets file changed, and the text travels by
+    SFTP into a file that is 0600 before any byte is written, through a private (0700) temporary
+    directory (files/scripts/secrets-file.sh).
     """
     path = secrets_path(settings)
-    current = probe.fact(host, Sha256File, path=path)
+    current = reads.fact(host, Sha256File, path=path)
     if content is None:
         if current is None:
-            host.noop("no secrets configured and no secrets file")
+            noop(host, "no secrets configured and no secrets file")
             return
-        if host.state.config.DIFF:
-            host.log(f"Will remove the secrets file {path} (service_secret_env is empty)", logger.info)
-        yield StringCommand("rm", "-f", QuoteString(path))
-        probe.changed(host, Sha256File)
+        plan(host, f"Will remove the secrets file {path} (service_secret_env is empty)")
+        yield script(SECRETS_SCRIPT, "remove", path)
         return
     if current == sha256_text(content):
-        host.noop(f"secrets file {path} is current")
+        noop(host, f"secrets file {path} is current")
         return
-    if host.state.config.DIFF:
-        host.log(f"{format_text('secrets file changed', bold=True)}: {path} (content not shown)", logger.info)
-    staging = f"{path}.servestack-new"
-    private_dir = host.get_temp_filename(f"servestack-secrets-{path}")
-    yield StringCommand("install", "-d", "-m", "700", "-o", "root", "-g", "root", SECRETS_DIR)
-    yield StringCommand("install", "-m", "600", "-o", "root", "-g", "root", "/dev/null", QuoteString(staging))
-    yield StringCommand("rm", "-rf", QuoteString(private_dir), "&&", "mkdir", "-m", "700",
-                        QuoteString(private_dir), _sudo=False)
-    yield FileUploadCommand(StringIO(content), staging, remote_temp_filename=f"{private_dir}/secrets")
-    yield StringCommand("rm", "-rf", QuoteString(private_dir), _sudo=False)
-    yield StringCommand("mv", "-f", QuoteString(staging), QuoteString(path))
-    probe.changed(host, Sha256File)
+    plan(host, f"{format_text('secrets file changed', bold=True)}: {path} (content not shown)")
+    upload_dir = host.get_temp_filename(f"servestack-secrets-{path}")
+    yield script(SECRETS_SCRIPT, "stage", path)
+    yield StringCommand("rm", "-rf", QuoteString(upload_dir), "&&", "mkdir", "-m", "700",
+                        QuoteString(upload_dir), _sudo=False)
+    yield FileUploadCommand(StringIO(content), staging_path(path), remote_temp_filename=f"{upload_dir}/secrets")
+    yield script(SECRETS_SCRIPT, "place", path, upload_dir)
+
+
+def staging_path(path: str) -> str:
+    """Where files/scripts/secrets-file.sh stages the secrets file before renaming it into place."""
+    return f"{path}.servestack-new"
 
 
 @operation()
-def unit(settings: Settings, supplementary_groups: tuple[str, ...] = (), pre_deploy_venv: dict | None = None):
+def unit(settings: Settings, release: Release, supplementary_groups: tuple[str, ...] = (),
+         pre_deploy_venv: dict | None = None):
     """
-    Render the unit for the active release, install it, keep a copy in the release, enable it.
+    Render the unit for the release, install it, keep a copy in the release, enable it.
 
     + settings: the host's validated settings
+    + release: the release the unit runs (deploy.py: the one this run leaves active; in ``--dry``
+      it may not exist yet, its paths are known)
     + supplementary_groups: groups giving the service user the GPU devices (``video``, ``render``)
     + pre_deploy_venv: the ``VenvTarget`` fact read before the deploy changed anything; names the
       release a unit servestack did not write belongs to, the first time servestack replaces it
@@ -511,53 +574,38 @@ def unit(settings: Settings, supplementary_groups: tuple[str, ...] = (), pre_dep
     known-good one, so a failed first restart goes back to it. ``--diff`` shows the unit's diff.
     Writing the unit never restarts the service: ``restart`` decides that.
     """
-    rel = _release_or_pending(settings)
-    if rel is None:
-        yield fail_command(_no_release_message(settings))
+    if not reads.fact(host, Which, command="curl"):
+        yield from refuse(host, ["curl is needed on the host for the service health gate; install it "
+                                 "(the service was not touched)"])
         return
-    if not probe.fact(host, Which, command="curl"):
-        yield fail_command("curl is needed on the host for the service health gate; install it "
-                           "(the service was not touched)")
-        return
-    state = probe.fact(host, UnitState, unit=settings.service_name)
+    state = reads.fact(host, UnitState, unit=settings.service_name)
     if state.get("SystemdRunning") == "no":
-        yield fail_command("systemd is not the init system here (no /run/systemd/system): "
-                           f"{settings.service_name} cannot run on this host")
+        yield from refuse(host, ["systemd is not the init system here (no /run/systemd/system): "
+                                 f"{settings.service_name} cannot run on this host"])
         return
-    text = desired_unit(settings, rel, supplementary_groups)
+    text = desired_unit(settings, release, supplementary_groups)
     path = unit_path(settings)
-    current_sha = probe.fact(host, Sha256File, path=path)
-    copy_path = f"{rel.dir}/{settings.service_name}"
-    changes_unit = current_sha != sha256_text(text)
+    current_sha = reads.fact(host, Sha256File, path=path)
     commands = []
-    if changes_unit:
-        current_lines = probe.fact(host, FileContents, path=path) or []
-        if current_sha and probe.fact(host, ServiceRecord, path=record_path(settings)) is None:
+    if current_sha != sha256_text(text):
+        current_lines = reads.fact(host, FileContents, path=path) or []
+        if current_sha and reads.fact(host, ServiceRecord, path=record_path(settings)) is None:
             commands += _baseline_commands(settings, current_lines, pre_deploy_venv)
         if host.state.config.DIFF:
             _log_unit_diff(path, current_lines, text)
-        commands += _upload_commands(text, path)
-        commands.append(StringCommand("systemctl", "daemon-reload"))
+        commands += [StringCommand(atomic_write_command(path, text, "644")),
+                     StringCommand("systemctl", "daemon-reload")]
     elif state.get("NeedDaemonReload") == "yes":
         commands.append(StringCommand("systemctl", "daemon-reload"))
-    if rel.id != PENDING_RELEASE and probe.fact(host, Sha256File, path=copy_path) != sha256_text(text):
-        commands += _upload_commands(text, copy_path)
+    copy_path = unit_copy_path(settings, release)
+    if reads.fact(host, Sha256File, path=copy_path) != sha256_text(text):
+        commands.append(StringCommand(atomic_write_command(copy_path, text, "644")))
     if state.get("UnitFileState") != "enabled":
         commands.append(StringCommand("systemctl", "enable", "--", QuoteString(settings.service_name)))
     if not commands:
-        host.noop(f"{path} is current for release {rel.id}")
+        noop(host, f"{path} is current for release {release.id}")
         return
     yield from commands
-    probe.changed(host, Sha256File, UnitState, ServiceRecord, FileContents)
-
-
-def _upload_commands(text: str, dest: str) -> list:
-    staging = f"{dest}.servestack-new"
-    return [
-        FileUploadCommand(StringIO(text), staging, remote_temp_filename=host.get_temp_filename(staging)),
-        StringCommand("chown", "root:root", QuoteString(staging), "&&", "chmod", "644", QuoteString(staging),
-                      "&&", "mv", "-f", QuoteString(staging), QuoteString(dest)),
-    ]
 
 
 def _baseline_commands(settings: Settings, current_lines: list[str], pre_deploy_venv: dict | None) -> list:
@@ -566,9 +614,9 @@ def _baseline_commands(settings: Settings, current_lines: list[str], pre_deploy_
     record = json.dumps({"fingerprint": None, "release": release_id, "unit": unit_path(settings),
                          "baseline": "the unit found before servestack first replaced it"})
     return [
-        StringCommand("install", "-d", "-m", "755", QuoteString(state_dir(settings))),
-        StringCommand("install", "-m", "644", QuoteString(unit_path(settings)), QuoteString(good_unit_path(settings))),
-        StringCommand("printf", "'%s\\n'", QuoteString(record), ">", QuoteString(record_path(settings))),
+        StringCommand("install", "-D", "-m", "644", "--", QuoteString(unit_path(settings)),
+                      QuoteString(good_unit_path(settings))),
+        StringCommand(atomic_write_command(record_path(settings), record, "644")),
     ]
 
 
@@ -587,7 +635,7 @@ def _pre_deploy_release(settings: Settings, pre_deploy_venv: dict | None) -> str
     if pre.get("kind") == "link":
         return release_id_of(pre.get("target"), settings.venv_releases_dir)
     if pre.get("kind") == "directory":
-        adopted = [name for name in probe.fact(host, Releases, releases_dir=settings.venv_releases_dir)
+        adopted = [name for name in reads.fact(host, Releases, releases_dir=settings.venv_releases_dir)
                    if name.startswith("adopted-")]
         return max(adopted) if adopted else None
     return None
@@ -601,11 +649,13 @@ def _log_unit_diff(path: str, current_lines: list[str], text: str) -> None:
 
 
 @operation()
-def restart(settings: Settings, secrets_sha: str | None = None, supplementary_groups: tuple[str, ...] = ()):
+def restart(settings: Settings, release: Release, secrets_sha: str | None = None,
+            supplementary_groups: tuple[str, ...] = ()):
     """
     Restart the service when what it runs with changed, gate it on health, roll back on failure.
 
     + settings: the host's validated settings
+    + release: the release the unit runs (as given to ``unit``)
     + secrets_sha: sha256 of the desired secrets file (None: no secrets file)
     + supplementary_groups: as given to ``unit`` (part of the rendered unit)
 
@@ -613,107 +663,48 @@ def restart(settings: Settings, secrets_sha: str | None = None, supplementary_gr
     start and the service is running. Otherwise: restart, wait for GET /health (200 within
     ``service_health_timeout_s``), one POST /generate with a non-empty answer; on failure the
     last known-good release and unit are re-activated and restarted, and the host fails with a
-    message saying what failed and that it was rolled back. Run it with ``_parallel=rollout_batch``.
+    message saying what failed and that it was rolled back. Run it with ``_parallel=rollout_batch``:
+    once more than ``rollout_failure_budget`` hosts failed their gate, the others are not restarted.
     """
-    rel = _release_or_pending(settings)
-    if rel is None:
-        yield fail_command(_no_release_message(settings))
-        return
-    wanted = fingerprint(desired_unit(settings, rel, supplementary_groups), secrets_sha)
-    record = probe.fact(host, ServiceRecord, path=record_path(settings))
-    state = probe.fact(host, UnitState, unit=settings.service_name)
-    active = state.get("ActiveState", "unknown")
+    wanted = fingerprint(desired_unit(settings, release, supplementary_groups), secrets_sha)
+    record = reads.fact(host, ServiceRecord, path=record_path(settings))
+    active = reads.fact(host, UnitState, unit=settings.service_name).get("ActiveState", "unknown")
     if record and record.get("fingerprint") == wanted and active in RUNNING_STATES:
-        host.noop(f"{settings.service_name} runs release {rel.id} as last verified healthy; not restarted")
+        noop(host, f"{settings.service_name} runs release {release.id} as last verified healthy; not restarted")
         return
     local_paths = local_model_paths(settings)
-    unreadable = probe.fact(host, UnreadableBy, user=settings.service_user, paths=local_paths) if local_paths else []
+    unreadable = reads.fact(host, UnreadableBy, user=settings.service_user, paths=local_paths) if local_paths else []
     if unreadable:
-        yield fail_command(f"the service user {settings.service_user} cannot read {', '.join(unreadable)} "
-                           "(service_model_path / service_draft_model_path): grant it read access; "
-                           f"{settings.service_name} was not restarted")
+        yield from refuse(host, [f"the service user {settings.service_user} cannot read {', '.join(unreadable)} "
+                                 "(service_model_path / service_draft_model_path): grant it read access; "
+                                 f"{settings.service_name} was not restarted"])
         return
     if host.state.is_executing:
+        failures = gate_failures(host.state)
         failed = rollout_failures(host.state, host.current_op_hash)
         if len(failed) > settings.rollout_failure_budget:
-            _STOPPED.setdefault(host.state, set()).add(host.name)
-            yield fail_command(
+            yield from refuse(host, [
                 f"{settings.service_name} not restarted: the roll-out stopped after {len(failed)} host(s) "
                 f"failed their health gate ({', '.join(sorted(failed))}; rollout_failure_budget="
-                f"{settings.rollout_failure_budget})")
+                f"{settings.rollout_failure_budget})"])
             return
+        failures.gating(host.current_op_hash, host.name)
     why = ("what it runs with changed" if record and active in RUNNING_STATES
            else f"it is {active}" if record else "no healthy start recorded yet")
     verb = "restarting" if host.state.is_executing else "will restart"
-    host.log(f"{verb} {settings.service_name} on release {rel.id}: {why}", logger.info)
-    yield gate_command(gate_environment(settings, rel, wanted, record))
-    probe.changed(host)  # restarted, or rolled back to the last known-good release and unit
-
-
-SERVICE_USER_COMMENT = "SGLang service (servestack)"
-SERVICE_USER_SHELL = "/usr/sbin/nologin"
-
-
-def _user_is_current(settings: Settings, groups: tuple[str, ...]) -> bool:
-    """What `server.user` below would check, read from the probe: no change when all match."""
-    existing = probe.fact(host, UserAccount, user=settings.service_user).get(settings.service_user)
-    home = probe.fact(host, Directory, path=home_dir(settings))
-    return bool(existing) and bool(home) and existing.get("home") == home_dir(settings) \
-        and existing.get("shell") == SERVICE_USER_SHELL and existing.get("comment") == SERVICE_USER_COMMENT \
-        and set(existing.get("groups") or ()) == set(groups) \
-        and home.get("user") == settings.service_user and home.get("group") == settings.service_user
-
-
-@operation()
-def service_user(settings: Settings, groups: tuple[str, ...] = ()):
-    """
-    The service's dedicated system user (pyinfra's ``server.user``), with its home directory.
-
-    + settings: the host's validated settings
-    + groups: its supplementary groups (the GPU device groups present on the host)
-    """
-    if _user_is_current(settings, groups):
-        host.noop(f"user {settings.service_user} exists as configured")
-        return
-    yield from server.user._inner(
-        user=settings.service_user,
-        system=True,
-        shell=SERVICE_USER_SHELL,
-        home=home_dir(settings),
-        groups=list(groups),
-        comment=SERVICE_USER_COMMENT,
-    )
-    probe.changed(host, UserAccount, Directory, UserEntry, UnreadableBy, PathOwner)
-
-
-probe.decides(Groups, UserEntry, VenvTarget)  # read by sglang_service() itself, not its operations
-
-
-@probe.expects
-def _expected_facts(host_) -> list[FactRequest]:
-    settings = host_settings(host_)
-    facts = [FactRequest.of(Groups), FactRequest.of(UserAccount, user=settings.service_user),
-             FactRequest.of(UserEntry, user=settings.service_user), FactRequest.of(Directory, path=home_dir(settings)),
-             FactRequest.of(VenvTarget, path=settings.venv_path), FactRequest.of(Which, command="curl"),
-             FactRequest.of(UnitState, unit=settings.service_name),
-             FactRequest.of(Sha256File, path=unit_path(settings)),
-             FactRequest.of(Sha256File, path=secrets_path(settings)),
-             FactRequest.of(ServiceRecord, path=record_path(settings))]
-    rel = venv_step.planned_only(host_)
-    if rel is None:
-        target = probe.cached(host_, VenvTarget, path=settings.venv_path) or {}
-        release_id = release_id_of(target.get("target"), settings.venv_releases_dir)
-        rel = release(settings, release_id) if release_id else None
-    if rel is not None:
-        facts += [FactRequest.of(PatchsetDigest, release_dir=rel.dir),
-                  FactRequest.of(PathOwner, path=cache_dir(settings, rel.id)),
-                  FactRequest.of(Sha256File, path=f"{rel.dir}/{settings.service_name}")]
-    return facts
+    host.log(f"{verb} {settings.service_name} on release {release.id}: {why}", logger.info)
+    yield while_busy(host, settings.servestack_state_dir, f"health-gated restart of {settings.service_name}",
+                     gate_command(gate_environment(settings, release, wanted, record)))
 
 
 @deploy("SGLang service")
-def sglang_service():
-    """The service user, its cache, secrets, unit and a health-gated restart, a batch of hosts at a time."""
+def sglang_service(release: Release):
+    """
+    The service user, its cache, secrets, unit and a health-gated restart, a batch of hosts at a time.
+
+    + release: the release the service runs: the one this run leaves active (deploy.py:
+      ``venv.plan()``; rollback.py: ``venv.rollback_target()``)
+    """
     settings = host_settings(host)
     problems = service_problems(settings)
     if problems:
@@ -721,21 +712,25 @@ def sglang_service():
     secrets = secrets_content(host.name, settings.service_secret_env)
     for warning in ineffective_settings(settings):
         logger.warning(f"{host.print_prefix}{warning}")
-    _refuse_login_user(settings)
-    groups = tuple(group for group in GPU_GROUPS if group in probe.fact(host, Groups))
+    login = _login_user_problem(settings)
+    if login:
+        refuse_now(host, [login])
+        return
+    groups = tuple(group for group in GPU_GROUPS if group in reads.fact(host, Groups))
     service_user(name=f"Service user {settings.service_user}", settings=settings, groups=groups)
-    cache_directory(name="Service JIT cache directory", settings=settings)
+    cache_directory(name="Service JIT cache directory", settings=settings, release=release)
     secrets_file(name="Service secrets file", settings=settings, content=secrets)
-    unit(name=f"Unit {settings.service_name}", settings=settings, supplementary_groups=groups,
-         pre_deploy_venv=probe.fact(host, VenvTarget, path=settings.venv_path))
-    restart(name=f"Health-gated restart of {settings.service_name}", settings=settings,
+    unit(name=f"Unit {settings.service_name}", settings=settings, release=release, supplementary_groups=groups,
+         pre_deploy_venv=reads.fact(host, VenvTarget, path=settings.venv_path))
+    restart(name=f"Health-gated restart of {settings.service_name}", settings=settings, release=release,
             secrets_sha=sha256_text(secrets) if secrets else None, supplementary_groups=groups,
             _parallel=settings.rollout_batch)
 
 
-def _refuse_login_user(settings: Settings) -> None:
-    entry = probe.fact(host, UserEntry, user=settings.service_user)
+def _login_user_problem(settings: Settings) -> str | None:
+    entry = reads.fact(host, UserEntry, user=settings.service_user)
     if entry and entry["uid"] >= FIRST_LOGIN_UID:
-        raise ConfigError(f"host {host.name}: 'service_user': {settings.service_user} is an existing login "
-                          f"user (uid {entry['uid']}); the service runs as a dedicated system user: "
-                          "pick a name that does not exist yet (default 'sglang')")
+        return (f"'service_user': {settings.service_user} is an existing login user (uid {entry['uid']}); "
+                "the service runs as a dedicated system user: pick a name that does not exist yet "
+                "(default 'sglang')")
+    return None

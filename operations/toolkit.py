@@ -1,6 +1,7 @@
 """Step `toolkit`: the manifest's CUDA toolkit from NVIDIA's runfile, beside the toolkits it keeps.
 
-Decided from one fact (facts.toolkit.CudaToolkits: stats and small files only):
+Decided from one fact (facts.toolkit.CudaToolkits: stats and small files only; `host_reads` lists
+it for deploy.py's batched read):
 
 - The install path already holds the wanted toolkit (its `bin/nvcc --version` and `version.json`
   say so) -> nothing else is read: not the runfile, not the kept toolkits.
@@ -10,15 +11,29 @@ Decided from one fact (facts.toolkit.CudaToolkits: stats and small files only):
   sha256; fail closed) and run it toolkit-only; decide success from the exit code AND the new
   `nvcc`; put `/usr/local/cuda` back where it pointed; then check that nvcc reports the manifest's
   version, the kept toolkits' fingerprints are unchanged and the link chain is as recorded.
+- The installer runs with LANG=C and without DISPLAY. It writes /tmp/cuda-installer.log whatever
+  --tmpdir says and crashes on one it cannot replace: an earlier one is moved aside first, and its
+  log is read from there after. Its compiler check can refuse the host's gcc: that failure is told
+  from the log and names `cuda_installer_override` (True passes --override, which skips the check).
 - A failed install moves the tree aside to `<install_path>.failed-<UTC>` and shows the tail of the
   installer log; the next run installs again. An install interrupted before its checks (the
   control machine died) is finished, or moved aside, by the next run, which finds
   `toolkit-install.json`.
 
+The runfile's digest (a read of 4 GB) is read only when an install is due and a full-size file is
+there to check, through `reads.fact(RunfileDigest, ...)`: preflight reads it first (a bad
+pre-staged runfile refuses the host before any step changes anything), this step reuses that read
+in the same stage. A runfile that fails verification is moved aside to `*.rejected-<UTC>`; only the
+newest rejected copy is kept, and the run says which older one it removed.
+
 A tree at the install path that servestack cannot confirm as the manifest's toolkit (another
 version, no `version.json`, files owned by dpkg — e.g. NVIDIA's Ubuntu packages, whose nvcc
 reports the same V13.0.88 for 13.0.2) is never installed over: the host is refused, unless host
 data sets `cuda_existing_toolkit = "accept"` and its nvcc reports the manifest's nvcc version.
+
+The host-side shell is in files/scripts: cuda-runfile.sh (download, verify, reject the runfile)
+and cuda-toolkit.sh (install, restore or point the link, move an interrupted install aside); the
+`*_command` functions here render their inputs.
 """
 
 from __future__ import annotations
@@ -32,9 +47,8 @@ from packaging.version import InvalidVersion, Version
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
+from facts.batch import FactRequest
 from facts.host import busy_path
-from facts.preflight import HostPreflight
-from facts.probe import FactRequest
 from facts.toolkit import (
     CudaToolkits,
     Digest,
@@ -47,23 +61,18 @@ from facts.toolkit import (
     marker_path,
     record_path,
 )
-from servestack import probe
-from servestack.hostrun import (
-    host_refused,
-    is_executing,
-    noop,
-    plan,
-    refusal,
-    refuse_now,
-    run_id,
-    run_remote,
-    utc_stamp,
-)
+from servestack import reads
+from servestack.hostrun import host_refused, noop, plan, refuse, run_id, run_remote, utc_stamp
 from servestack.manifest import Runfile
+from servestack.scripts import atomic_write_command, script_command
 from servestack.settings import Settings, host_settings
 
 RECORD_SCHEMA = 1
 LOG_TAIL_LINES = 25
+#: The installer's own log, built into it (nixpkgs' cudatoolkit recipe patches this string out of the
+#: binary): written whatever --tmpdir or TMPDIR say, as well as the manifest's `log_path` when root.
+INSTALLER_TMP_LOG = "/tmp/cuda-installer.log"
+OVERRIDE_KEY = "cuda_installer_override"
 
 
 def human_bytes(size: int) -> str:
@@ -72,10 +81,6 @@ def human_bytes(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.1f} {unit}"
     return f"{size} B"
-
-
-def _q(value: str) -> str:
-    return shlex.quote(value)
 
 
 # Where things are
@@ -126,9 +131,10 @@ def toolkit_fact_arguments(settings: Settings) -> dict:
     }
 
 
-@probe.expects
-def _expected_facts(host_) -> list[FactRequest]:
-    return [FactRequest.of(CudaToolkits, **toolkit_fact_arguments(host_settings(host_)))]
+def host_reads(settings: Settings, release=None) -> list[FactRequest]:
+    """What this step reads of a host before it decides: the one CudaToolkits read of `runfile_toolkit`
+    (the runfile's digest and the kept toolkits' fingerprints are read only when an install is due)."""
+    return [FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings))]
 
 
 # Is the wanted toolkit there?
@@ -238,6 +244,16 @@ def digest_problem(runfile: Runfile, digest: Digest | None) -> str | None:
     return download.mismatch(runfile, download.Sums(digest.stat.size, digest.md5, digest.sha256))
 
 
+def prestaged_problem(source: RunfileSource, stats: dict, digest: Digest | None) -> str | None:
+    """Why the pre-staged runfile cannot be used, naming the file and its key, or None."""
+    if stats.get(source.cached) is None:
+        return f"cuda_runfile_path {source.cached}: no such file on the host"
+    problem = digest_problem(source.runfile, digest)
+    if problem:
+        return f"cuda_runfile_path {source.cached} fails verification ({problem}): not used"
+    return None
+
+
 @dataclass(frozen=True)
 class RunfilePlan:
     """How this host gets a verified runfile for the install."""
@@ -248,6 +264,20 @@ class RunfilePlan:
     resume_from: int = 0
     lines: tuple[str, ...] = ()
     problem: str | None = None                      # refuse: the runfile cannot be had
+
+
+def runfile_to_verify(settings: Settings, state: ToolkitState) -> str | None:
+    """The runfile whose digest this host's install needs: none when no install is due."""
+    source = runfile_source(settings, state.arch)
+    if source is None or not assess_install(settings, state.install, state.marker).install_needed:
+        return None
+    return file_to_hash(source, state.files)
+
+
+def read_runfile_digest(host_, settings: Settings, state: ToolkitState) -> Digest | None:
+    """The digest `runfile_to_verify` names, read once per stage (preflight's read is this step's)."""
+    path = runfile_to_verify(settings, state)
+    return reads.fact(host_, RunfileDigest, path=path) if path else None
 
 
 def file_to_hash(source: RunfileSource, stats: dict) -> str | None:
@@ -265,12 +295,9 @@ def plan_runfile(source: RunfileSource, stats: dict, digest: Digest | None) -> R
     runfile = source.runfile
     cached = stats.get(source.cached)
     if source.mode == "prestaged":
-        if cached is None:
-            return RunfilePlan(problem=f"cuda_runfile_path {source.cached}: no such file on the host")
-        problem = digest_problem(runfile, digest)
+        problem = prestaged_problem(source, stats, digest)
         if problem:
-            return RunfilePlan(problem=f"pre-staged runfile {source.cached} fails verification ({problem}): "
-                                       "not used")
+            return RunfilePlan(problem=problem)
         return RunfilePlan(use=source.cached, lines=(f"pre-staged runfile {source.cached}: verified",))
     rejects, lines = [], []
     if cached is not None:
@@ -280,7 +307,7 @@ def plan_runfile(source: RunfileSource, stats: dict, digest: Digest | None) -> R
             return RunfilePlan(use=source.cached, lines=(f"runfile {source.cached}: cached and verified",))
         rejects.append((source.cached, problem))
         lines.append(f"cached runfile {source.cached} fails verification ({problem}): "
-                     "move it aside to *.rejected-<UTC>, never use it")
+                     "move it aside to *.rejected-<UTC> (the only rejected copy kept), never use it")
     part = stats.get(source.part)
     have = part.size if part else 0
     if have > runfile.size:
@@ -304,147 +331,107 @@ def plan_runfile(source: RunfileSource, stats: dict, digest: Digest | None) -> R
                        lines=tuple(lines))
 
 
-# Commands
+# Commands: the host-side shell is in files/scripts (cuda-runfile.sh, cuda-toolkit.sh); these render its inputs
+
+def _runfile_env(runfile: Runfile) -> dict:
+    return {"SS_RUNFILE_URL": runfile.url, "SS_RUNFILE_SIZE": runfile.size, "SS_RUNFILE_MD5": runfile.md5,
+            "SS_RUNFILE_SHA256": runfile.sha256}
+
+
+def _link_env(chain: LinkChain) -> dict:
+    return {"SS_LINK_PATH": chain.path, "SS_LINK_KIND": chain.kind,
+            "SS_LINK_HOPS": "\n".join(f"{link}\t{target}" for link, target in chain.hops)}
+
 
 def reject_command(path: str, reason: str) -> str:
     """Move a runfile that failed verification aside (only the newest rejected copy is kept)."""
-    return (f"ts=$(date -u +%Y%m%dT%H%M%SZ); rm -f -- {_q(path)}.rejected-*; "
-            f"mv -f {_q(path)} {_q(path)}.rejected-$ts && "
-            f"echo \"servestack: {path} failed verification ({reason}): moved aside to {path}.rejected-$ts, "
-            "never used\" >&2")
+    return script_command("cuda-runfile.sh", "reject", path, reason)
+
+
+def _reject_runfile(state, host, path: str, reason: str) -> bool:
+    """Move a runfile that failed verification aside now, saying which older rejected copy went."""
+    ok, stdout, stderr = run_remote(host, reject_command(path, reason))
+    for line in stdout + stderr:
+        message = line.removeprefix("servestack: ")
+        if ok:
+            host.log(message)
+        else:
+            host.log_styled(message, fg="red", log_func=logger.error)
+    return ok
 
 
 def download_command(source: RunfileSource, attempts: int = 5, busy: str | None = None) -> str:
-    """curl into `<file>.part`, resuming (-C -) what is there; retries resume too.
+    """curl into `<file>.part`, resuming what is there; retries resume too.
 
     With `busy` (the lock's busy file) it holds that flock while it runs, so a run that dies
     meanwhile leaves a lock that is not taken for stale until the download is over.
     """
-    runfile = source.runfile
-    part = _q(source.part)
-    hold = (f"exec 8>>{_q(busy)}\nif command -v flock >/dev/null 2>&1 && ! flock -n 8; then "
-            "echo 'servestack: another download or install is still running on this host' >&2; exit 1; fi\n"
-            if busy else "")
-    return f"""set -u
-mkdir -p {_q(posixpath.dirname(source.part))} || exit 1
-{hold}n=0; rc=0
-while :; do
-    have=$(stat -c %s {part} 2>/dev/null || echo 0)
-    [ "$have" -ge {runfile.size} ] && break
-    if [ $n -ge {attempts} ]; then
-        echo "servestack: download of {runfile.url} failed (curl exit $rc) after $n attempts; $have bytes kept in {source.part}, resumed by the next run" >&2
-        exit 1
-    fi
-    n=$((n+1))
-    curl -fsSL --connect-timeout 30 -C - -o {part} {_q(runfile.url)}; rc=$?
-    [ $rc -eq 33 ] && rm -f {part}
-    [ $rc -eq 0 ] || sleep 2
-done
-"""
+    env = {**_runfile_env(source.runfile), "SS_ATTEMPTS": attempts, **({"SS_BUSY_FILE": busy} if busy else {})}
+    return script_command("cuda-runfile.sh", "download", source.part, env=env)
 
 
-def verify_script(runfile: Runfile, path: str, ours: bool) -> str:
-    """Shell lines verifying `path` (size, md5, sha256 read concurrently); exit 1 if it fails."""
-    p = _q(path)
-    on_bad = (f"rm -f -- {p}.rejected-*; mv -f {p} {p}.rejected-$ts; "
-              f"say \"runfile {path} fails verification ($bad): moved aside to {path}.rejected-$ts, never used\"; "
-              if ours else f"say \"pre-staged runfile {path} fails verification ($bad): not used\"; ")
-    return f"""[ -f {p} ] || {{ say "runfile {path} is missing"; exit 1; }}
-size=$(stat -c %s {p})
-sums=$( {{ md5sum {p} & sha256sum {p}; wait; }} )
-md5=$(printf '%s\\n' "$sums" | awk '{{sub(/^\\\\/, "", $1)}} length($1) == 32 {{print $1}}')
-sha=$(printf '%s\\n' "$sums" | awk '{{sub(/^\\\\/, "", $1)}} length($1) == 64 {{print $1}}')
-bad=""
-[ "$size" = {runfile.size} ] || bad="size $size bytes, expected {runfile.size}"
-[ -n "$bad" ] || [ "$md5" = {runfile.md5} ] || bad="md5 $md5, expected {runfile.md5}"
-[ -n "$bad" ] || [ "$sha" = {runfile.sha256} ] || bad="sha256 $sha, expected {runfile.sha256}"
-if [ -n "$bad" ]; then {on_bad}exit 1; fi
-"""
+def verify_command(runfile: Runfile, path: str, ours: bool, dest: str | None = None) -> str:
+    """Verify `path` (size, md5, sha256); a failing file of ours is moved aside. Renamed to `dest` once verified."""
+    env = {**_runfile_env(runfile), "SS_PRESTAGED": 0 if ours else 1}
+    return script_command("cuda-runfile.sh", "verify", path, *([dest] if dest else []), env=env)
 
 
-def restore_link_script(chain: LinkChain) -> str:
-    """Shell lines putting each recorded hop of the `/usr/local/cuda` chain back (only hops that changed)."""
-    link = _q(chain.path)
-    if chain.kind == "absent":
-        return (f"if [ -L {link} ]; then echo \"servestack: the installer created {chain.path} -> "
-                f"$(readlink {link}); removed (it did not exist before)\" >&2; rm -f {link}; fi\n")
-    lines = []
-    for hop_link, target in chain.hops:
-        hl, tq = _q(hop_link), _q(target)
-        lines.append(
-            f"now=$(readlink {hl} 2>/dev/null || true)\n"
-            f"if [ \"$now\" != {tq} ]; then\n"
-            f"    if [ -L {hl} ] || [ ! -e {hl} ]; then\n"
-            f"        ln -sfn {tq} {hl}.servestack-new && mv -T {hl}.servestack-new {hl} && "
-            f"echo \"servestack: {hop_link} was re-pointed to '$now' (by the installer?): restored -> {target}\" >&2\n"
-            f"    else echo \"servestack: {hop_link} is no longer a symlink: cannot restore -> {target}\" >&2; fi\n"
-            "fi\n")
-    return "".join(lines)
+def restore_link_command(chain: LinkChain) -> str:
+    """Put each recorded hop of the `/usr/local/cuda` chain back (only hops that changed)."""
+    return script_command("cuda-toolkit.sh", "restore-link", env=_link_env(chain))
 
 
-def install_script(settings: Settings, source: RunfileSource, use: str, keep_chain: LinkChain | None,
-                   run: str) -> str:
+def installer_flags(settings: Settings) -> list[str]:
+    """The manifest's installer flags, and --override (skips the compiler check) when host data asks."""
+    return [*settings.manifest.cuda["installer_flags"], *(["--override"] if settings.cuda_installer_override else [])]
+
+
+def compiler_hint(settings: Settings) -> str:
+    """What to do when the installer's compiler check refuses the host's gcc."""
+    if settings.cuda_installer_override:
+        return f"{OVERRIDE_KEY} = True already passes --override"
+    return (f"set {OVERRIDE_KEY} = True in this host's data to pass --override (it skips that check), "
+            f"or install a gcc that CUDA {settings.cuda_version} supports")
+
+
+def install_command(settings: Settings, source: RunfileSource, use: str, keep_chain: LinkChain | None,
+                    run: str, installer_tmp_log: str = INSTALLER_TMP_LOG) -> str:
     """Verify the runfile, run it toolkit-only, decide success from exit code and nvcc; clean up a failure."""
-    cuda = settings.manifest.cuda
-    install, tmpdir, log = settings.cuda_install_path, settings.cuda_tmpdir, cuda["log_path"]
-    final = source.cached
-    flags = " ".join(_q(flag) for flag in cuda["installer_flags"])
-    release = ".".join(str(part) for part in Version(settings.cuda_version).release[:2])
-    marker = json.dumps({"path": install, "version": settings.cuda_version, "run_id": run, "started": utc_stamp()})
-    out = f"{tmpdir}/servestack-cuda-installer.out"
-    i, t, o = _q(install), _q(tmpdir), _q(out)
-    rename = f"mv -f {_q(use)} {_q(final)}\n" if use != final else ""
-    restore = restore_link_script(keep_chain) if keep_chain is not None else ""
-    return f"""set -u
-say() {{ echo "servestack: $*" >&2; }}
-ts=$(date -u +%Y%m%dT%H%M%SZ)
-{verify_script(source.runfile, use, ours=source.mode != "prestaged")}{rename}mkdir -p {t} {_q(settings.servestack_state_dir)} || exit 1
-exec 8>>{_q(busy_path(settings.servestack_state_dir))}
-if command -v flock >/dev/null 2>&1 && ! flock -n 8; then say "another CUDA install is still running on this host"; exit 1; fi
-printf '%s\\n' {_q(marker)} > {_q(marker_path(settings.servestack_state_dir))}
-TMPDIR={t} sh {_q(final)} {flags} --installpath={i} --tmpdir={t} > {o} 2>&1
-rc=$?
-why=""
-if [ $rc -ne 0 ]; then
-    why="installer exit $rc"
-elif ! v=$({i}/bin/nvcc --version 2>&1); then
-    why="installer exit 0, but {install}/bin/nvcc does not run: $(printf '%s' "$v" | tail -n 1)"
-else
-    case "$v" in
-    *"release {release}, V{cuda['nvcc_version']}"*) ;;
-    *) why="installer exit 0, but {install}/bin/nvcc reports: $(printf '%s\\n' "$v" | grep -i release | head -n 1)" ;;
-    esac
-fi
-if [ -n "$why" ]; then
-{restore}    moved="nothing was left at {install}"
-    if [ -e {i} ] || [ -L {i} ]; then mv {i} {i}.failed-$ts && moved="the partial tree was moved aside to {install}.failed-$ts"; fi
-    rm -f {_q(marker_path(settings.servestack_state_dir))}
-    say "CUDA {settings.cuda_version} install failed ($why); $moved"
-    if [ -s {o} ]; then say "installer output (last lines):"; tail -n 10 {o} >&2; fi
-    if [ -f {_q(log)} ]; then say "last lines of {log}:"; tail -n {LOG_TAIL_LINES} {_q(log)} >&2; else say "no {log}"; fi
-    rm -f {o}
-    exit 1
-fi
-rm -f {o}
-echo "installed CUDA {settings.cuda_version} into {install}"
-"""
+    cuda, state_dir = settings.manifest.cuda, settings.servestack_state_dir
+    marker = {"path": settings.cuda_install_path, "version": settings.cuda_version, "run_id": run,
+              "started": utc_stamp()}
+    env = {
+        "SS_RUNFILE": source.cached,
+        "SS_INSTALL_PATH": settings.cuda_install_path,
+        "SS_TMP_DIR": settings.cuda_tmpdir,
+        "SS_STATE_DIR": state_dir,
+        "SS_BUSY_FILE": busy_path(state_dir),
+        "SS_MARKER_FILE": marker_path(state_dir),
+        "SS_MARKER": json.dumps(marker),
+        "SS_CUDA_VERSION": settings.cuda_version,
+        "SS_NVCC_RELEASE": ".".join(str(part) for part in Version(settings.cuda_version).release[:2]),
+        "SS_NVCC_VERSION": cuda["nvcc_version"],
+        "SS_INSTALLER_LOG": cuda["log_path"],
+        "SS_INSTALLER_TMP_LOG": installer_tmp_log,
+        "SS_LOG_TAIL_LINES": LOG_TAIL_LINES,
+        "SS_COMPILER_HINT": compiler_hint(settings),
+        **(_link_env(keep_chain) if keep_chain is not None else {}),
+    }
+    verify = verify_command(source.runfile, use, ours=source.mode != "prestaged", dest=source.cached)
+    return f"{verify} && {script_command('cuda-toolkit.sh', 'install', *installer_flags(settings), env=env)}"
 
 
 def move_aside_command(path: str, state_dir: str) -> str:
     """Move an interrupted install's tree aside and forget its marker."""
-    return (f"ts=$(date -u +%Y%m%dT%H%M%SZ); mv {_q(path)} {_q(path)}.failed-$ts && "
-            f"rm -f {_q(marker_path(state_dir))} && "
-            f"echo \"servestack: moved the interrupted install aside to {path}.failed-$ts\" >&2")
+    return script_command("cuda-toolkit.sh", "move-aside", path, marker_path(state_dir))
 
 
 def write_json_command(path: str, data: dict) -> str:
-    text = json.dumps(data, indent=1, sort_keys=True)
-    return (f"mkdir -p {_q(posixpath.dirname(path))} && printf '%s\\n' {_q(text)} > {_q(path)}.new "
-            f"&& mv -f {_q(path)}.new {_q(path)}")
+    return atomic_write_command(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def point_link_command(link: str, target: str) -> str:
-    return f"ln -sfn {_q(target)} {_q(link)}.servestack-new && mv -T {_q(link)}.servestack-new {_q(link)}"
+    return script_command("cuda-toolkit.sh", "point-link", link, target)
 
 
 # toolkits.json
@@ -510,7 +497,7 @@ def _check_after_install(state, host, settings: Settings, expected_chain: LinkCh
     if expected_chain is not None and (toolkits.link.hops, toolkits.link.kind) != (expected_chain.hops,
                                                                                  expected_chain.kind):
         changed = toolkits.link.describe()
-        run_remote(host, restore_link_script(expected_chain))
+        run_remote(host, restore_link_command(expected_chain))
         toolkits = host.get_fact(CudaToolkits, **toolkit_fact_arguments(settings))
         host.log(f"the installer changed the link to {changed}: restored {toolkits.link.describe()}")
     fingerprints = {path: host.get_fact(ToolkitFingerprint, path=path) for path in kept_paths(settings)}
@@ -525,7 +512,7 @@ def _check_after_install(state, host, settings: Settings, expected_chain: LinkCh
     record["installed"] = {**record_target(settings), "at": utc_stamp(), "run_id": run_id(state),
                            "link_policy": settings.cuda_link_policy, "link": toolkits.link.to_record()}
     ok, _, stderr = run_remote(host, write_json_command(record_path(settings.servestack_state_dir), record)
-                               + f" && rm -f {_q(marker_path(settings.servestack_state_dir))}")
+                               + f" && rm -f {shlex.quote(marker_path(settings.servestack_state_dir))}")
     if not ok:
         host.log_styled(f"could not update toolkits.json: {' '.join(stderr)}", fg="red", log_func=logger.error)
         return False
@@ -550,24 +537,6 @@ def _upload_from_controller(state, host, runfile: Runfile, part: str) -> bool:
 
 # The operation
 
-_DIGESTS: dict = {}
-
-
-def _digest(path: str, stat) -> Digest:
-    """The file's digest, hashed once per run while its size, mtime and inode stay the same."""
-    key = (id(host.state), host.name, path, stat.size, stat.mtime, stat.inode)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = host.get_fact(RunfileDigest, path=path)
-    return _DIGESTS[key]
-
-
-def _refuse(problems: list[str]):
-    if is_executing(host):
-        yield refusal(problems)
-    else:
-        refuse_now(host, problems)
-
-
 @dataclass
 class _Steps:
     lines: list = field(default_factory=list)
@@ -578,7 +547,8 @@ def _record_steps(settings: Settings, state: ToolkitState, steps: _Steps) -> Non
     paths = paths_to_record(settings, state)
     if not paths:
         return
-    fingerprints = {path: host.get_fact(ToolkitFingerprint, path=path) for path in paths}
+    fingerprints = dict(zip(paths, reads.read(host, [FactRequest.of(ToolkitFingerprint, path=path)
+                                                      for path in paths])))
     described = ", ".join(f"{path} ({fp.files} files)" if fp.present else f"{path} (absent)"
                           for path, fp in fingerprints.items())
     target = record_path(settings.servestack_state_dir)
@@ -610,11 +580,11 @@ def _finish_steps(settings: Settings, state: ToolkitState, steps: _Steps) -> Non
 def _install_steps(settings: Settings, state: ToolkitState, source: RunfileSource, verdict: Verdict,
                    steps: _Steps) -> str | None:
     """Get a verified runfile, install, check. Returns a problem instead when the runfile cannot be had."""
-    runfile_plan = plan_runfile(source, state.files, _needed_digest(source, state.files))
+    runfile_plan = plan_runfile(source, state.files, read_runfile_digest(host, settings, state))
     if runfile_plan.problem:
         return runfile_plan.problem
     steps.lines += runfile_plan.lines
-    steps.commands += [reject_command(path, why) for path, why in runfile_plan.rejects]
+    steps.commands += [FunctionCommand(_reject_runfile, (path, why), {}) for path, why in runfile_plan.rejects]
     if runfile_plan.fetch == "download":
         steps.commands.append(download_command(source, busy=busy_path(settings.servestack_state_dir)))
     elif runfile_plan.fetch == "upload":
@@ -624,7 +594,7 @@ def _install_steps(settings: Settings, state: ToolkitState, source: RunfileSourc
         steps.commands.append(move_aside_command(settings.cuda_install_path, settings.servestack_state_dir))
     keep = state.link if settings.cuda_link_policy == "keep" else None
     steps.lines.append(f"install {settings.cuda_version} into {settings.cuda_install_path}")
-    steps.commands.append(install_script(settings, source, runfile_plan.use, keep, run_id(host.state)))
+    steps.commands.append(install_command(settings, source, runfile_plan.use, keep, run_id(host.state)))
     steps.commands.append(FunctionCommand(_check_after_install, (settings, keep), {}))
     return None
 
@@ -636,25 +606,25 @@ def runfile_toolkit():
 
     Reads the host data of servestack.settings (cuda_install_path, cuda_cache_dir, cuda_tmpdir,
     cuda_runfile_url / cuda_mirror / cuda_runfile_path / cuda_runfile_from, cuda_link_policy,
-    cuda_existing_toolkit); takes no arguments. See the module docstring for what it does.
+    cuda_existing_toolkit, cuda_installer_override); takes no arguments. See the module docstring for what it does.
     """
     settings = host_settings(host)
     if host_refused(host):
         noop(host, "host refused by preflight")
         return
-    state = probe.fact(host, CudaToolkits, **toolkit_fact_arguments(settings))
+    state = reads.fact(host, CudaToolkits, **toolkit_fact_arguments(settings))
     source = runfile_source(settings, state.arch)
     verdict = assess_install(settings, state.install, state.marker)
     if source is None or verdict.refused:
-        yield from _refuse([verdict.detail] if verdict.refused else
-                           [f"no CUDA runfile for architecture {state.arch} in {settings.manifest.path.name}"])
+        yield from refuse(host, [verdict.detail] if verdict.refused else
+                          [f"no CUDA runfile for architecture {state.arch} in {settings.manifest.path.name}"])
         return
     steps = _Steps()
     _record_steps(settings, state, steps)
     if verdict.install_needed:
         problem = _install_steps(settings, state, source, verdict, steps)
         if problem:
-            yield from _refuse([problem])
+            yield from refuse(host, [problem])
             return
     else:
         noop(host, f"{verdict.detail}: the runfile is not needed")
@@ -663,13 +633,6 @@ def runfile_toolkit():
     for line in steps.lines:
         plan(host, line)
     yield from steps.commands
-    if steps.commands:
-        probe.changed(host, CudaToolkits, HostPreflight)
-
-
-def _needed_digest(source: RunfileSource, stats: dict) -> Digest | None:
-    path = file_to_hash(source, stats)
-    return _digest(path, stats[path]) if path else None
 
 
 @deploy("CUDA toolkit")

@@ -1,13 +1,16 @@
 """The ML environment (`venv_path`, default /opt/ml-env): backed up, rebuilt beside, switched, kept.
 
-Steps (deploy.py calls them in this order, with other steps between):
+What deploy.py calls, in this order (with other steps between):
 
-    venv.backup()     snapshot the active environment, only when this run is about to change it
-    venv.build()      build the target release beside the active one and check it; activates nothing
-    venv.activate()   adopt a hand-made venv (first run), switch venv_path atomically, prune old releases
+    release = venv.plan()     the release this run leaves active (read at prepare; later steps get it)
+    venv.backup(release)      snapshot the active environment, only when this run is about to change it
+    venv.build(release)       build the release beside the active one and check it; activates nothing
+    venv.activate(release)    adopt a hand-made venv (first run), switch venv_path atomically, prune
 
-and rollback.py calls `venv.rollback()`. `planned_release(host)` tells later steps (patches,
-service) which release this run leaves active.
+and rollback.py: `release = venv.rollback_target()` (None: the host was refused, nothing to roll
+back to), then `venv.rollback(release)`. Every operation reads the one MlEnvState fact
+(`host_reads` lists it with the arguments they pass) and, only when a change is due, the active
+environment's packages as well.
 
 Building: one resolution, then an ordered install. `uv pip compile` resolves the stack once into
 `lock.txt` (hashes for every file; see operations/releases.py for the index/overrides design);
@@ -27,33 +30,21 @@ hard-links files instead of downloading them again.
 
 from __future__ import annotations
 
-import datetime
 import os
-import shlex
-from weakref import WeakKeyDictionary
 
 from pyinfra import host, logger
 from pyinfra.api import deploy, operation
-from pyinfra.api.exceptions import OperationError
 
-from facts.probe import FactRequest
-from facts.venv import MlEnvState, memo_write_command
+from facts.batch import FactRequest
+from facts.venv import MlEnvState
 from operations.releases import (
     CHECK, NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
-    release_plan, releases_to_prune, rollback_target, tool_command,
+    release_plan, releases_to_prune, tool_command,
 )
-from servestack import probe
-from servestack.hostrun import keep
-from servestack.settings import host_settings, real_host
-
-# The release each host's run leaves active, set while deploy.py / rollback.py are prepared.
-_PLANNED: "WeakKeyDictionary[object, Release]" = WeakKeyDictionary()
-# state -> names of the hosts where this run kept the state's memo or changed the environment
-# (either way it keeps no other memo there; see `_keep_state_memo`).
-_MEMO_SETTLED: "WeakKeyDictionary[object, set]" = WeakKeyDictionary()
-# The memo rides in the lock's release, one `sh -c` argument (at most 128 KiB on Linux, with the
-# other bookkeeping): a state with very many releases is read by python instead.
-MEMO_MAX_CHARS = 48 * 1024
+from operations.releases import rollback_target as choose_rollback_target
+from servestack import reads
+from servestack.hostrun import noop, refuse, refuse_now, utc_stamp, while_busy
+from servestack.settings import host_settings
 
 
 # --- reading the host ---------------------------------------------------------------------------
@@ -73,100 +64,36 @@ def mlenv_fact_arguments(settings, packages: bool = False) -> dict:
             "python": settings.venv_python, "packages": packages}
 
 
-@probe.expects
-def _expected_facts(host_) -> list[FactRequest]:
-    return [FactRequest.of(MlEnvState, **mlenv_fact_arguments(host_settings(host_)))]
+def host_reads(settings, release=None) -> list[FactRequest]:
+    """What this step reads of a host before it decides: the MlEnvState fact without the packages
+    (read with them only when a change is due)."""
+    return [FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings))]
 
 
-probe.decides(MlEnvState)  # the deploy functions plan the release from it
+def _no_python(settings) -> str:
+    return (f"'{settings.venv_python}' (venv_python) is not on the host's PATH; servestack needs it to "
+            "build the ML environment")
 
 
-def env_state(settings, packages: bool = False) -> dict:
-    """The MlEnvState fact; `packages` also lists the active environment's packages."""
-    state = probe.fact(host, MlEnvState, **mlenv_fact_arguments(settings, packages))
-    if state is None:
-        raise OperationError(f"host {host.name}: '{settings.venv_python}' (venv_python) is not on the "
-                             "host's PATH; servestack needs it to build the ML environment")
-    state.pop("memo", None)  # bookkeeping, not the environment (see `_keep_state_memo`)
-    return state
+def env_state(settings, packages: bool = False) -> dict | None:
+    """The MlEnvState fact (None: the host lacks venv_python); `packages` also lists the active
+    environment's packages."""
+    return reads.fact(host, MlEnvState, **mlenv_fact_arguments(settings, packages))
 
 
-def _keep_state_memo(settings) -> None:
-    """Keep the state's memo on the host for later converges (facts/venv.py): bookkeeping like the
-    lock, not a change; never in a dry run. Only an answer the host's python gave carries one: read
-    at execute, or at prepare under `pyinfra -y` (execute starts from prepare's reads), so it is
-    kept from the operation code execute runs. Once per run, and not once a venv operation changed
-    this host in this run (what was read before may be gone); the write itself drops a memo whose
-    paths changed after it was read (servestack/memo.py `write_command`)."""
-    if not host.state.is_executing:
-        return
-    settled = _MEMO_SETTLED.setdefault(host.state, set())
-    if host.name in settled:
-        return
-    text = (probe.cached(host, MlEnvState, **mlenv_fact_arguments(settings)) or {}).get("memo")
-    if text and len(text) <= MEMO_MAX_CHARS:
-        settled.add(host.name)
-        keep(host, memo_write_command(settings.servestack_state_dir, text),
-             f"the ML environment state's memo in {settings.servestack_state_dir}")
-
-
-def _changing() -> None:
-    """Before an operation yields a change to the environment: no memo is kept on this host in this run."""
-    if host.state.is_executing:
-        _MEMO_SETTLED.setdefault(host.state, set()).add(host.name)
-
-
-def _unchanged(settings, message: str) -> None:
-    """An operation that leaves the environment as it is: pyinfra's noop, and the memo kept."""
-    host.noop(message)
-    _keep_state_memo(settings)
-
-
-def plan(settings, state: dict) -> ReleasePlan:
-    return release_plan(settings, state["machine"], state["python"]["version"])
-
-
-def active_release(host_=None) -> Release | None:
+def active_release(settings) -> Release | None:
     """The release venv_path points at now (None: missing, hand-made or foreign)."""
-    target = host_ if host_ is not None else host
-    settings = host_settings(target)
-    state = probe.fact(target, MlEnvState, **mlenv_fact_arguments(settings, packages=False))
-    release = ((state or {}).get("venv_path") or {}).get("release")
+    release = ((env_state(settings) or {}).get("venv_path") or {}).get("release")
     return release_at(settings.venv_releases_dir, release) if release else None
 
 
-def planned_only(host_=None) -> Release | None:
-    """The release `venv.build()` / `venv.rollback()` planned in this run for the host, if any."""
-    return _PLANNED.get(real_host(host_ if host_ is not None else host))
-
-
-def planned_release(host_=None) -> Release:
-    """The release this run leaves active: the deploy's target or the rollback's, else the active one.
-
-    Set when `venv.build()` / `venv.rollback()` are prepared, so steps prepared after them (patches,
-    service) can name the release's paths even in `--dry` before it exists.
-    """
-    target = real_host(host_ if host_ is not None else host)
-    if target in _PLANNED:
-        return _PLANNED[target]
-    active = active_release(target)
-    if active is None:
-        raise OperationError(f"host {target.name}: no servestack release is active and none is planned")
-    return active
+def _plan(settings, state: dict) -> ReleasePlan:
+    return release_plan(settings, state["machine"], state["python"]["version"])
 
 
 def _params(settings, **extra) -> dict:
     return {"venv_path": settings.venv_path, "releases_dir": settings.venv_releases_dir,
             "state_dir": settings.servestack_state_dir, **extra}
-
-
-def _utc_stamp() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-
-
-def _refusal(message: str) -> str:
-    """A command that fails the host with `message` (pyinfra prints stderr of failed commands)."""
-    return f"echo {shlex.quote('servestack: ' + message)} >&2; exit 1"
 
 
 def _not_a_venv(settings) -> str:
@@ -202,38 +129,43 @@ def backup_env(target: str, reason: str = "before change"):
     """
     settings = host_settings(host)
     state = env_state(settings)
+    if state is None:
+        yield from refuse(host, [_no_python(settings)])
+        return
     where = state["venv_path"]
     if not _environment_changes(state, target):
-        _unchanged(settings, f"{settings.venv_path} is "
-                   f"{'already ' + target if where['release'] == target else where['kind']}: nothing to back up")
+        noop(host, f"{settings.venv_path} is "
+             f"{'already ' + target if where['release'] == target else where['kind']}: nothing to back up")
         return
     state = env_state(settings, packages=True)
     if _same_as_latest_backup(state):
-        _unchanged(settings, f"backup {state['backups'][-1]} already records {settings.venv_path}")
+        noop(host, f"backup {state['backups'][-1]} already records {settings.venv_path}")
         return
-    _changing()
     yield tool_command(settings.venv_python, "backup",
                        _params(settings, keep=settings.venv_keep_backups, reason=reason))
-    probe.changed(host, MlEnvState)
 
 
 @operation()
-def build_release():
+def build_release(release: ReleasePlan):
     """
-    Build the target release beside the active one and check it; venv_path is not touched.
+    Build a release beside the active one and check it; venv_path is not touched.
+
+    + release: the release to build (``venv.plan()``)
 
     The release id comes from the release's inputs, so a built release is never rebuilt. uv at the
     manifest's version is installed first if the host lacks it.
     """
     settings = host_settings(host)
     state = env_state(settings)
-    if state["venv_path"]["kind"] == "other":  # refuse before spending time on a build
-        yield _refusal(_not_a_venv(settings))
+    if state is None:
+        yield from refuse(host, [_no_python(settings)])
         return
-    release = plan(settings, state)
+    if state["venv_path"]["kind"] == "other":  # refuse before spending time on a build
+        yield from refuse(host, [_not_a_venv(settings)])
+        return
     record = state["releases"].get(release.id) or {}
     if record.get("status") == "ok" and record.get("has_venv"):
-        _unchanged(settings, f"release {release.id} is built and checked")
+        noop(host, f"release {release.id} is built and checked")
         return
     if record:
         host.log(f"Rebuilding release {release.id} (it was left {record.get('status')}: "
@@ -244,9 +176,8 @@ def build_release():
                      check_script=CHECK.read_text(), uv=uv_binary(settings), uv_version=uv["version"],
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
                      python=state["python"]["executable"])
-    _changing()
-    yield tool_command(settings.venv_python, "build", params)
-    probe.changed(host)  # a new release directory: the releases, its python, its patch state
+    yield while_busy(host, settings.servestack_state_dir, f"venv build {release.id}",
+                     tool_command(settings.venv_python, "build", params))
 
 
 @operation()
@@ -263,19 +194,20 @@ def activate_release(release: str, by: str = "deploy"):
     """
     settings = host_settings(host)
     state = env_state(settings)
+    if state is None:
+        yield from refuse(host, [_no_python(settings)])
+        return
     where = state["venv_path"]
     if where["kind"] == "other":
-        yield _refusal(_not_a_venv(settings))
+        yield from refuse(host, [_not_a_venv(settings)])
         return
     if where["release"] == release:
-        _unchanged(settings, f"{settings.venv_path} already points at release {release}")
+        noop(host, f"{settings.venv_path} already points at release {release}")
         return
     if host.state.config.DIFF:
         _log_package_diff(settings, env_state(settings, packages=True), release)
-    _changing()
     yield tool_command(settings.venv_python, "activate",
-                       _params(settings, release=release, by=by, adopt_as=f"adopted-{_utc_stamp()}"))
-    probe.changed(host)  # the active release: every step's view of the host
+                       _params(settings, release=release, by=by, adopt_as=f"adopted-{utc_stamp()}"))
 
 
 @operation()
@@ -289,31 +221,21 @@ def prune_releases(active: str):
     """
     settings = host_settings(host)
     state = env_state(settings)
+    if state is None:
+        yield from refuse(host, [_no_python(settings)])
+        return
     releases = dict(state["releases"])
     history = list(state["history"])
     current = state["venv_path"]["release"]
     if current != active:  # --dry / prepare: predict the state after activation
-        releases.setdefault(active, {"created": _utc_stamp(), "status": "ok", "has_venv": True})
+        releases.setdefault(active, {"created": utc_stamp(), "status": "ok", "has_venv": True})
         history.append({"release": active, "previous": current, "by": "deploy"})
     remove = releases_to_prune(releases, history, active, settings.venv_keep_releases)
     if not remove:
-        _unchanged(settings, f"{len(state['releases'])} release(s) kept "
-                   f"(venv_keep_releases={settings.venv_keep_releases})")
+        noop(host, f"{len(state['releases'])} release(s) kept (venv_keep_releases={settings.venv_keep_releases})")
         return
     protect = [active] + [entry.get("previous") for entry in history[-1:] if entry.get("previous")]
-    _changing()
     yield tool_command(settings.venv_python, "prune", _params(settings, remove=remove, protect=protect))
-    probe.changed(host)  # release directories gone
-
-
-@operation()
-def refuse(message: str):
-    """
-    Fail this host with a clear message (nothing else runs on it).
-
-    + message: why
-    """
-    yield _refusal(message)
 
 
 def _log_package_diff(settings, state: dict, release: str) -> None:
@@ -321,7 +243,7 @@ def _log_package_diff(settings, state: dict, release: str) -> None:
     before = (state.get("active") or {}).get("packages") or {}
     partial = not record.get("packages")
     if partial:  # not built yet: the stack pins over the active env's other packages
-        stack = plan(settings, state).expect["packages"]
+        stack = _plan(settings, state).expect["packages"]
         after = {**_outside(before, stack), **stack}
     else:
         after = record["packages"]
@@ -337,47 +259,57 @@ def _outside(packages: dict, stack: dict) -> dict:
     return {name: version for name, version in packages.items() if canonical_name(name) not in names}
 
 
-# --- the steps deploy.py and rollback.py call -----------------------------------------------------
+# --- what deploy.py and rollback.py call --------------------------------------------------------
 
-def _plan_for_host() -> ReleasePlan:
+def plan() -> ReleasePlan | None:
+    """The release this run builds and leaves active on the host (decided at prepare, from the
+    host's Python and architecture). None only after refusing a host that lacks venv_python."""
     settings = host_settings(host)
-    return plan(settings, env_state(settings))
+    state = env_state(settings)
+    if state is None:
+        refuse_now(host, [_no_python(settings)])
+        return None
+    return _plan(settings, state)
 
 
 @deploy("ML environment: backup")
-def backup():
-    """Snapshot the active environment if this run will change it."""
-    backup_env(name="Back up the ML environment", target=_plan_for_host().id)
+def backup(release: Release):
+    """Snapshot the active environment if this run will change it (to `release`)."""
+    backup_env(name="Back up the ML environment", target=release.id)
 
 
 @deploy("ML environment: build release")
-def build():
-    """Build and check the target release beside the active one (nothing is switched)."""
-    release = _plan_for_host()
-    _PLANNED[real_host(host)] = Release(release.id, release.dir)
-    build_release(name=f"Build release {release.id}")
+def build(release: ReleasePlan):
+    """Build and check `release` beside the active one (nothing is switched)."""
+    build_release(name=f"Build release {release.id}", release=release)
 
 
 @deploy("ML environment: activate release")
-def activate():
-    """Switch venv_path to the target release (after build and patches), prune old releases."""
-    release = _plan_for_host()
+def activate(release: Release):
+    """Switch venv_path to `release` (after build and patches), prune old releases."""
     activate_release(name=f"Activate release {release.id}", release=release.id, by="deploy")
     prune_releases(name="Prune old releases", active=release.id)
 
 
-@deploy("ML environment: rollback")
-def rollback():
-    """Re-activate the previous release (or `venv_rollback_to`); refuse clearly if there is none."""
+def rollback_target() -> Release | None:
+    """The release rollback.py re-activates: the one active before the last deploy, or
+    `venv_rollback_to`. None after refusing the host (at prepare) when there is none to return to."""
     settings = host_settings(host)
     state = env_state(settings)
-    current = state["venv_path"]["release"]
+    if state is None:
+        refuse_now(host, [_no_python(settings)])
+        return None
     try:
-        target = rollback_target(state["history"], state["releases"], current, settings.venv_rollback_to)
+        target = choose_rollback_target(state["history"], state["releases"], state["venv_path"]["release"],
+                                        settings.venv_rollback_to)
     except NoRollbackTarget as reason:
-        host.log(f"Cannot roll back: {reason}", logger.error)
-        refuse(name="Roll back the ML environment", message=str(reason))
-        return
-    _PLANNED[real_host(host)] = release_at(settings.venv_releases_dir, target)
-    backup_env(name="Back up the ML environment", target=target, reason="before rollback")
-    activate_release(name=f"Roll back to release {target}", release=target, by="rollback")
+        refuse_now(host, [str(reason)])
+        return None
+    return release_at(settings.venv_releases_dir, target)
+
+
+@deploy("ML environment: rollback")
+def rollback(release: Release):
+    """Snapshot the active environment, then re-activate `release` (``rollback_target()``)."""
+    backup_env(name="Back up the ML environment", target=release.id, reason="before rollback")
+    activate_release(name=f"Roll back to release {release.id}", release=release.id, by="rollback")

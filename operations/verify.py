@@ -1,55 +1,50 @@
-"""The deploy's last step: servestack's verification checks, run on the converged host.
+"""Step `verify`, the deploy's last: servestack's verification checks, run on the converged host.
 
-The same check functions as the testinfra suite (tests/verify), judged on the same probe output
-read through pyinfra. A failed check fails the host, saying which and why; a skipped check (the
-host lacks the hardware it needs) is logged with its reason. Passing changes nothing, so a second
-converge still reports zero changes.
+The same checks as the testinfra suite (tests/verify), judging the same facts
+(servestack/checks/readings.py), read through servestack.reads. A failed check fails the host,
+saying which and why; a skipped check (the host lacks the hardware it needs) is logged with its
+reason. Passing changes nothing, so a second converge still reports zero changes.
 
 The heavy checks (torch on every GPU, nvcc building the CUDA sample, the patch check hashing
-SGLang's files; their probes load multi-GB libraries) depend only on the host state in
-`STATE_SECTIONS` and on the host's settings. When they pass, their outcomes are recorded on the
-host (`<servestack_state_dir>/verified.json`, bookkeeping like the lock: not a change) with a
-digest of that state; a later converge that finds the same digest reuses them and says so, and
-runs only the cheap checks live. `verify_reuse=False` runs every check live on every converge;
+SGLang's files; they load multi-GB libraries) depend only on the host state the `STATE_GROUPS`
+read and on the host's settings. When they pass, their outcomes are recorded on the host
+(`<servestack_state_dir>/verified.json`, bookkeeping like the lock: not a change) with a digest
+of that state; a later converge that finds the same digest reuses them and says so, and runs
+only the cheap checks live. `verify_reuse=False` runs every check live on every converge;
 `servestack verify` (the testinfra suite) always does.
 
-The GPU section is the one preflight read in this run, replayed into the host script, instead of
-asking nvidia-smi a second time (it wakes the driver for every GPU); servestack never touches the
-driver or the GPUs, and a step that drops every read makes the script ask nvidia-smi itself. The
-toolkit tree and the /usr/local/cuda link chain are replayed the same way from the toolkit step's
-read (the same commands), unless that step changed something.
+What the checks read before they judge (`host_reads`) is read with the other steps' reads, once
+the host's lock is taken; on a host this run did not change, the checks read nothing more.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 import time
 from dataclasses import asdict
 
 from pyinfra import host, logger
-from pyinfra.api import StringCommand, deploy, operation
+from pyinfra.api import deploy, operation
 
-from facts.preflight import HostPreflight
-from facts.toolkit import CudaToolkits
-from facts.probe import FactRequest
-from facts.verify import ProbeScript, VerificationProbe, VerificationRecord
-from operations.preflight import preflight_fact_arguments
-from operations.toolkit import toolkit_fact_arguments
-from servestack import checks
-from servestack import probe as host_probe
-from servestack.hostrun import keep
+from facts.batch import FactRequest
+from facts.verify import VerificationRecord
+from servestack import reads
+from servestack.checks.catalogue import (CHECKS, CHECKS_BY_NAME, Check, base_name, groups_for,
+                                         in_catalogue_order, judge_all)
+from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
+from servestack.checks.readings import NEEDS, Readings, in_order, read_groups, requests
+from servestack.hostrun import noop, refuse, write_record
+from servestack.scripts import atomic_write_command
 from servestack.settings import Settings, host_settings
 
 # The deploy's subset: every check but the real /generate request, which the service step's
 # health gate has just made (and which can take long on a large model).
-DEPLOY_CHECKS = tuple(check.name for check in checks.CHECKS if check.name != "service_generate")
-# Probe groups whose checks are reused while the host state they depend on is unchanged.
+DEPLOY_CHECKS = tuple(check.name for check in CHECKS if check.name != "service_generate")
+# Groups whose checks are reused while the host state they depend on is unchanged.
 REUSABLE_GROUPS = ("python", "sample", "patches")
-# Host-group sections that state is read from: driver and GPUs, the toolkit, the active release.
-STATE_SECTIONS = ("gpu", "device_nodes", "tree", "toolkit_package", "toolkit_path", "link", "record",
-                  "release", "release_state")
+# What that state is read from: driver and GPUs, the toolkits, the active release.
+STATE_GROUPS = ("gpu", "toolkit", "kept", "host")
 RECORD_FILE = "verified.json"
 
 
@@ -57,124 +52,96 @@ def record_path(settings: Settings) -> str:
     return f"{settings.servestack_state_dir}/{RECORD_FILE}"
 
 
-def is_reusable(check: checks.Check) -> bool:
+def is_reusable(check: Check) -> bool:
     return any(group in REUSABLE_GROUPS for group in check.groups)
 
 
-def group_script(settings: Settings, group: str, probe: checks.Probe | None = None) -> str:
-    """A probe group's script as the deploy runs it (but the host group's: `_request`): the HTTP
-    probe asks /health only (the service step's gate has just made a real request); the patch
-    check reads the active release's record."""
-    if group == "http":
-        return checks.http_script(settings, generate=False)
-    if group == "patches":
-        return checks.patches_script(settings, checks.patch_record_for(probe) if probe else None)
-    return checks.SCRIPTS[group](settings)
+def uses_record(settings: Settings, checks: list[Check]) -> bool:
+    """Whether the heavy checks among `checks` may be reused from the host's record."""
+    return settings.verify_reuse and any(is_reusable(check) for check in checks)
 
 
-def _read_in_this_run(target, settings: Settings) -> dict[str, tuple[str, ...]]:
-    """Host sections this run already read with the same commands, while those reads are still
-    current: the GPUs as preflight read them (nothing drops that read: servestack never touches
-    the driver or the GPUs), the toolkit tree and link as the toolkit step read them (dropped when
-    the step changed anything, then read live)."""
-    read: dict[str, tuple[str, ...]] = {}
-    preflight = host_probe.cached(target, HostPreflight, **preflight_fact_arguments(settings))
-    if preflight is not None and preflight.gpu_output:
-        read["gpu"] = preflight.gpu_output
-    toolkits = host_probe.cached(target, CudaToolkits, **toolkit_fact_arguments(settings))
-    if toolkits is not None:
-        read.update((section, toolkits.section_lines(section)) for section in ("tree", "link"))
-    return read
+def _first_groups(settings: Settings, checks: list[Check]) -> tuple[str, ...]:
+    """What the checks read before they know whether the record holds: the cheap groups, the
+    state the record's digest covers (when there is a record to use), and what a later group
+    needs (NEEDS)."""
+    groups = [group for group in groups_for(checks) if group not in REUSABLE_GROUPS]
+    if uses_record(settings, checks):
+        groups += STATE_GROUPS
+    groups += [need for group in groups_for(checks) for need in NEEDS.get(group, ())]
+    return in_order(groups)
 
 
-def _request(settings: Settings, group: str, probe: checks.Probe | None = None, target=None) -> FactRequest:
-    if group == "host":  # its unit read is shared with the service step's (facts/probe.py)
-        prelude, script = checks.host_script_parts(settings, replay=_read_in_this_run(target or host, settings))
-        return FactRequest.of(VerificationProbe, probe=ProbeScript(group, script, prelude))
-    return FactRequest.of(VerificationProbe, probe=ProbeScript(group, group_script(settings, group, probe)))
+def _as_deployed(release) -> dict:
+    """How the deploy reads the groups (readings.requests): /health only, the service step's gate
+    has just made a real request; the patch check of `release`."""
+    return {"generate": False, "release": release}
 
 
-def read_probe(settings: Settings, groups: tuple[str, ...], probe: checks.Probe | None = None) -> checks.Probe:
-    """Read the probe groups not read yet: the host group first (the patch check needs its record
-    path), then all others at once, in one remote command."""
-    probe = probe or checks.Probe(host.name)
-    pending = [group for group in groups if group not in probe.loaded]
-    batches = [["host"], [group for group in pending if group != "host"]] if "host" in pending else [pending]
-    for batch in batches:
-        requests = [_request(settings, group, probe) for group in batch]
-        for group, sections in zip(batch, host_probe.facts(host, requests)):
-            probe.sections.update(sections)
-            probe.loaded.add(group)
-    return probe
+def _record_request(settings: Settings) -> FactRequest:
+    return FactRequest.of(VerificationRecord, path=record_path(settings))
 
 
-def state_key(settings: Settings, probe: checks.Probe) -> str:
-    """Digest of what the reusable checks' outcomes depend on: settings, manifest, host state."""
-    sections = {name: [section.rc, section.text] for name, section in probe.sections.items()
-                if name in STATE_SECTIONS or name.startswith("kept_")}
-    document = {"settings": settings.values, "manifest": asdict(settings.manifest), "host": sections}
+def host_reads(settings: Settings, release=None, names: tuple[str, ...] = DEPLOY_CHECKS) -> list[FactRequest]:
+    """What `checks_pass` reads before it judges, with the arguments it reads them with: its
+    first groups and the record (the heavy groups are read only when the record does not hold).
+    It reads at execute only, once the steps ran: nothing without `release` (the prepare read)."""
+    if release is None:
+        return []
+    checks = [CHECKS_BY_NAME[name] for name in names]
+    wanted = [request for group in _first_groups(settings, checks)
+              for request in requests(settings, group, None, **_as_deployed(release))]
+    if uses_record(settings, checks):
+        wanted.append(_record_request(settings))
+    return wanted
+
+
+def _read(settings: Settings, readings: Readings, groups, release, also: list[FactRequest] = ()) -> list:
+    """Read `groups` as the deploy reads them (and `also`, whose values are returned) in one remote
+    command, unless this stage read them already (servestack.reads)."""
+    return read_groups(readings, settings, groups, lambda wanted: reads.read(host, wanted), also,
+                       **_as_deployed(release))
+
+
+def state_key(settings: Settings, readings: Readings) -> str:
+    """Digest of what the reusable checks' outcomes depend on: settings, manifest, host state
+    (the GPUs and driver, the toolkits, the active release)."""
+    toolkits, found = readings.toolkits, readings.host
+    state = {
+        "gpu": asdict(readings.gpu),
+        "toolkit": None if toolkits is None else {"install": asdict(toolkits.install),
+                                                  "link": toolkits.link.to_record(), "record": toolkits.record},
+        "kept": {path: fingerprint.to_record() for path, fingerprint in sorted(readings.kept.items())},
+        "host": {"devices": found.devices, "toolkit_package": found.toolkit_package,
+                 "toolkit_path": found.toolkit_path, "venv": found.venv, "records": found.records,
+                 "release_state": found.release_state},
+    }
+    document = {"settings": settings.values, "manifest": asdict(settings.manifest), "host": state}
     return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _base_name(outcome: checks.Outcome) -> str:
-    return outcome.check.split("[", 1)[0]  # package_version[torch] -> package_version
-
-
-def recorded_outcomes(record: dict | None, key: str, wanted: list[checks.Check]) -> list[checks.Outcome] | None:
+def recorded_outcomes(record: dict | None, key: str, wanted: list[Check]) -> list[Outcome] | None:
     """The outcomes `record` holds for the `wanted` checks when it was made on this state, else None."""
     if not record or record.get("key") != key or not set(record.get("checks", ())) >= {c.name for c in wanted}:
         return None
     names = {check.name for check in wanted}
     try:
-        outcomes = [checks.Outcome(*entry) for entry in record.get("outcomes", [])]
+        outcomes = [Outcome(*entry) for entry in record.get("outcomes", [])]
     except TypeError:
         return None
-    return [outcome for outcome in outcomes if _base_name(outcome) in names]
+    return [outcome for outcome in outcomes if base_name(outcome.check) in names]
 
 
-def record_command(settings: Settings, key: str, judged: list[checks.Check], outcomes: list[checks.Outcome]) -> str:
-    """Write the record atomically (root-owned, world-readable: it holds check names and details)."""
-    path = record_path(settings)
-    record = {"key": key, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "checks": [check.name for check in judged],
-              "outcomes": [[outcome.check, outcome.status, outcome.detail] for outcome in outcomes]}
-    return (f"umask 022 && mkdir -p {shlex.quote(settings.servestack_state_dir)} && "
-            f"printf '%s\\n' {shlex.quote(json.dumps(record, sort_keys=True))} > {shlex.quote(path + '.tmp')} && "
-            f"mv -f {shlex.quote(path + '.tmp')} {shlex.quote(path)}")
+def record_text(key: str, judged: list[Check], outcomes: list[Outcome]) -> str:
+    """The record (root's, world-readable: it holds check names and details)."""
+    return json.dumps({"key": key, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "checks": [check.name for check in judged],
+                       "outcomes": [[outcome.check, outcome.status, outcome.detail] for outcome in outcomes]},
+                      sort_keys=True)
 
 
-def _expected_facts(host_) -> list[FactRequest]:
-    """At execute, the cheap groups (host, the /health request) and the record are read ahead with the
-    rest of the probe: on a host this run does not change, they see exactly what they would see at
-    the end. The reusable groups are read only when the record does not cover this state."""
-    if not host_.state.is_executing:
-        return []
-    settings = host_settings(host_)
-    selected = [checks.CHECKS_BY_NAME[name] for name in DEPLOY_CHECKS]
-    groups = [group for group in checks.groups_for(selected) if group not in REUSABLE_GROUPS]
-    facts = [_request(settings, group, target=host_) for group in groups]
-    if settings.verify_reuse:
-        facts.append(FactRequest.of(VerificationRecord, path=record_path(settings)))
-    return facts
-
-
-host_probe.expects(_expected_facts, volatile=(VerificationProbe,))
-
-
-def failure_command(failures: list[checks.Outcome]) -> StringCommand:
-    """Print every failed check to stderr and exit 1: pyinfra shows it and fails the host."""
-    lines = [f"servestack verify: {len(failures)} check(s) failed"]
-    lines += [f"  {outcome.check}: {outcome.detail}" for outcome in failures]
-    return StringCommand("printf '%s\\n'", *[shlex.quote(line) for line in lines], ">&2; exit 1")
-
-
-def _in_catalogue_order(outcomes: list[checks.Outcome]) -> list[checks.Outcome]:
-    order = {check.name: index for index, check in enumerate(checks.CHECKS)}
-    return sorted(outcomes, key=lambda outcome: order[_base_name(outcome)])
-
-
-def _summary(outcomes: list[checks.Outcome], reused: list[checks.Outcome], record: dict | None) -> str:
-    passed = sum(outcome.status == checks.PASSED for outcome in outcomes)
+def _summary(outcomes: list[Outcome], reused: list[Outcome], record: dict | None) -> str:
+    passed = sum(outcome.status == PASSED for outcome in outcomes)
     text = f"verified: {passed} check(s) passed, {len(outcomes) - passed} skipped"
     if reused:
         text += (f"; {len(reused)} of them not re-run: recorded at {record.get('at')} on this same state "
@@ -183,12 +150,13 @@ def _summary(outcomes: list[checks.Outcome], reused: list[checks.Outcome], recor
 
 
 @operation()
-def checks_pass(names: tuple[str, ...] = DEPLOY_CHECKS):
+def checks_pass(release=None, names: tuple[str, ...] = DEPLOY_CHECKS):
     """
     Fail the host unless servestack's verification checks pass on it.
 
-    + names: checks of ``servestack.checks.CHECKS`` to run (default: all but the /generate
-      request, which the service step's health gate has just made)
+    + release: the release this run leaves active (its patch check); None: the active venv's
+    + names: checks of ``servestack.checks.catalogue.CHECKS`` to run (default: all but the
+      /generate request, which the service step's health gate has just made)
 
     The checks read the host after the deploy's changes: at prepare time (and with ``--dry``)
     this operation reads nothing and reports no change. Skipped checks are logged with their
@@ -199,38 +167,41 @@ def checks_pass(names: tuple[str, ...] = DEPLOY_CHECKS):
 
     .. code:: python
 
-        checks_pass(name="Verify the host")
+        checks_pass(name="Verify the host", release=release)
     """
     if not host.state.is_executing:
-        host.noop("verification runs once the deploy's changes are made")
+        noop(host, "verification runs once the deploy's changes are made")
         return
     settings = host_settings(host)
-    selected = [checks.CHECKS_BY_NAME[name] for name in names]
+    selected = [CHECKS_BY_NAME[name] for name in names]
     heavy = [check for check in selected if is_reusable(check)]
-    probe = read_probe(settings, ("host",))
-    key = state_key(settings, probe)
-    record = None
-    if heavy and settings.verify_reuse:
-        record = host_probe.fact(host, VerificationRecord, path=record_path(settings))
+    use_record = uses_record(settings, selected)
+    readings = Readings(host.name)
+    also = [_record_request(settings)] if use_record else []
+    record = next(iter(_read(settings, readings, _first_groups(settings, selected), release, also)), None)
+    key = state_key(settings, readings) if use_record else ""
     reused = recorded_outcomes(record, key, heavy) or []
     live = [check for check in selected if not (reused and is_reusable(check))]
-    read_probe(settings, checks.groups_for(live), probe)
-    judged = checks.judge_all(settings, probe, live)
-    outcomes = _in_catalogue_order(judged + reused)
+    _read(settings, readings, [group for group in groups_for(live) if group not in readings.groups], release)
+    judged = judge_all(settings, readings, live)
+    outcomes = in_catalogue_order(judged + reused)
     for outcome in outcomes:
-        if outcome.status == checks.SKIPPED:
+        if outcome.status == SKIPPED:
             host.log(f"verify: {outcome.check} skipped: {outcome.detail}", logger.warning)
-    failures = [outcome for outcome in outcomes if outcome.status == checks.FAILED]
+    failures = [outcome for outcome in outcomes if outcome.status == FAILED]
     if failures:
-        yield failure_command(failures)
+        yield from refuse(host, [f"verify {outcome.check}: {outcome.detail}" for outcome in failures])
         return
-    if heavy and settings.verify_reuse and not reused:
-        ran = [outcome for outcome in judged if _base_name(outcome) in {check.name for check in heavy}]
-        keep(host, record_command(settings, key, heavy, ran), f"the verification record {record_path(settings)}")
-    host.noop(_summary(outcomes, reused, record))
+    if use_record and not reused:
+        ran = [outcome for outcome in judged if base_name(outcome.check) in {check.name for check in heavy}]
+        write_record(host, atomic_write_command(record_path(settings), record_text(key, heavy, ran)),
+                     f"the verification record {record_path(settings)}")
+    noop(host, _summary(outcomes, reused, record))
 
 
 @deploy("servestack verify")
-def verify(names: tuple[str, ...] = DEPLOY_CHECKS):
-    """Run the verification checks on the converged host; a failed check fails the host."""
-    checks_pass(name="Verify the host (servestack checks)", names=names)
+def verify(release=None, names: tuple[str, ...] = DEPLOY_CHECKS):
+    """Run the verification checks on the converged host; a failed check fails the host.
+
+    `release`: the release this run leaves active (deploy.py passes the venv step's plan)."""
+    checks_pass(name="Verify the host (servestack checks)", release=release, names=names)

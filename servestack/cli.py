@@ -6,9 +6,13 @@
     servestack sandbox exec HOST [-- CMD...]        run a command on one sandbox host (a shell without CMD)
     servestack sandbox down                         remove the sandbox hosts and everything they used
     servestack doctor INVENTORY [--limit L] [--json]   preflight checks as a report; changes nothing
+    servestack status INVENTORY [--limit L] [--json]   each host's release, rollback target, last run, service
     servestack verify INVENTORY [--limit L] [--junit FILE]  the verification suite as a per-host table
     servestack backups INVENTORY [--limit L]       list the environment snapshots kept on each host
-    servestack keys                                 every host-data key, its default and meaning
+    servestack keys [--manifest FILE]               every host-data key, its default and meaning
+
+A broken manifest or inventory ends the command with exit status 2 and one line per problem naming
+the file and the key (or line), never a traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+from traceback import walk_tb
 
 from servestack.errors import ConfigError
 
@@ -59,25 +65,33 @@ def build_parser() -> argparse.ArgumentParser:
     _sandbox_parser(commands)
     _inventory_parser(commands, "doctor", "preflight checks as a report").add_argument(
         "--json", action="store_true", dest="as_json")
+    _inventory_parser(commands, "status", "each host's releases, last run and service; changes nothing"
+                      ).add_argument("--json", action="store_true", dest="as_json")
     _inventory_parser(commands, "verify", "run the verification suite, per-host table").add_argument(
         "--junit", default=None)
     _inventory_parser(commands, "backups", "list environment snapshots on each host")
-    commands.add_parser("keys", help="every host-data key with its default and meaning")
+    keys = commands.add_parser("keys", help="every host-data key with its default and meaning")
+    keys.add_argument("--manifest", default=None,
+                      help="the manifest whose defaults to show (default: files/stack.toml)")
     return parser
 
 
-def print_keys() -> int:
+def print_keys(manifest_path: str | None = None) -> int:
+    """The key table; a manifest that cannot give every default raises ManifestError (exit 2)."""
     from rich.console import Console
     from rich.table import Table
 
-    from servestack.manifest import load_manifest
+    from servestack.manifest import DEFAULT_MANIFEST, PROJECT_ROOT, load_manifest
     from servestack.settings import host_keys
 
-    manifest = load_manifest()
-    table = Table(title="servestack host-data keys (defaults from files/stack.toml)")
+    path = Path(manifest_path).resolve() if manifest_path else DEFAULT_MANIFEST
+    manifest = load_manifest(path)
+    keys = host_keys(manifest)
+    shown = path.relative_to(PROJECT_ROOT) if path.is_relative_to(PROJECT_ROOT) else path
+    table = Table(title=f"servestack host-data keys (defaults from {shown})")
     for column in ("key", "default", "meaning"):
         table.add_column(column, overflow="fold")
-    for key in host_keys(manifest).values():
+    for key in keys.values():
         default = key.default(manifest)
         table.add_row(key.name, "—" if default in (None, (), {}) else str(default), key.help)
     Console().print(table)
@@ -112,11 +126,39 @@ def _fleet_report(args) -> int:
     if args.command == "doctor":
         from servestack.doctor import doctor_main
         return doctor_main(args.inventory, args.limit, args.as_json)
+    if args.command == "status":
+        from servestack.status import status_main
+        return status_main(args.inventory, args.limit, args.as_json)
     if args.command == "verify":
         from servestack.verify import verify_main
         return verify_main(args.inventory, args.limit, args.junit)
     from servestack.backups import backups_main
     return backups_main(args.inventory, args.limit)
+
+
+def broken_file_message(error: BaseException) -> str | None:
+    """One line for an inventory or group-data file that fails to load (a Python error in it,
+    wrapped by pyinfra's loader or raised directly): the file, the line and the error; None for
+    any other exception (a bug, shown with its traceback)."""
+    from servestack.pyinfra_hooks import import_pyinfra_cli
+
+    UnexpectedExternalError = import_pyinfra_cli().exceptions.UnexpectedExternalError
+    if isinstance(error, UnexpectedExternalError):
+        filename, inner = str(error.filename), error.exception
+        frames = walk_tb(getattr(inner, "_traceback", None) or inner.__traceback__)
+        lines = [line for frame, line in frames if frame.f_code.co_filename.endswith(os.path.basename(filename))]
+        if isinstance(inner, SyntaxError):
+            return _syntax_error_message(inner, filename)
+        where = f"{filename} line {lines[-1]}" if lines else filename
+        return f"{where}: {type(inner).__name__}: {inner}"
+    if isinstance(error, SyntaxError):
+        return _syntax_error_message(error, error.filename)
+    return None
+
+
+def _syntax_error_message(error: SyntaxError, filename: str | None) -> str:
+    where = f"{filename or error.filename} line {error.lineno}" if error.lineno else str(filename or error.filename)
+    return f"{where}: {type(error).__name__}: {error.msg}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,10 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sandbox":
             return _sandbox(args)
         if args.command == "keys":
-            return print_keys()
+            return print_keys(args.manifest)
         return _fleet_report(args)
     except ConfigError as error:
         print(f"servestack: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # noqa: BLE001 - only a file that fails to load is turned into a line
+        message = broken_file_message(error)
+        if message is None:
+            raise
+        print(f"servestack: {message}", file=sys.stderr)
         return 2
 
 

@@ -89,8 +89,10 @@ def _load(inventory_path: str, limit):
     """A pyinfra State initialised with the inventory; the hosts in the limit."""
     from pyinfra.api import Config, State
     from pyinfra.context import ctx_state
-    from pyinfra_cli.exceptions import CliError
-    from pyinfra_cli.inventory import make_inventory
+    from servestack.pyinfra_hooks import import_pyinfra_cli
+
+    cli = import_pyinfra_cli()
+    CliError, make_inventory = cli.exceptions.CliError, cli.inventory.make_inventory
 
     from servestack.verify import _apply_limit, split_patterns
 
@@ -111,8 +113,7 @@ def _check_host(state, host) -> HostReport:
     from pyinfra.api.exceptions import PyinfraError
     from pyinfra.context import ctx_host, ctx_state
 
-    from facts.preflight import HostPreflight
-    from operations.preflight import preflight_fact_arguments
+    from operations.preflight import read_preflight
     from servestack.settings import host_settings
     from servestack.targets import target_problem
 
@@ -129,7 +130,7 @@ def _check_host(state, host) -> HostReport:
             return report_for(host.name, settings, None, None, "cannot connect")
         state.activate_host(host)
         try:
-            facts = host.get_fact(HostPreflight, **preflight_fact_arguments(settings, toolkit=True))
+            facts = read_preflight(host, settings)
         except PyinfraError as error:
             return report_for(host.name, settings, None, None, f"cannot read the host: {error}")
     return report_for(host.name, settings, facts, None)

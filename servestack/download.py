@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
-import shlex
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +23,9 @@ import requests
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from pyinfra.api.exceptions import PyinfraError
+from servestack.hostrun import utc_stamp
 from servestack.manifest import Runfile
+from servestack.scripts import script_command
 
 CHUNK = 1 << 20
 ATTEMPTS = 5
@@ -38,10 +39,6 @@ class DownloadError(PyinfraError):
 def cache_dir() -> Path:
     """The control machine's download cache (env SERVESTACK_CACHE_DIR, default ~/.cache/servestack)."""
     return Path(os.environ.get("SERVESTACK_CACHE_DIR") or Path.home() / ".cache" / "servestack")
-
-
-def utc_stamp() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
 @dataclass(frozen=True)
@@ -230,14 +227,10 @@ def upload_to_host(host, local: Path, remote: str, run_remote) -> None:
         return
     ok, user, _ = run_remote(host, "id -un", _sudo=False, _su_user=None, _doas=False)
     user = user[0].strip() if ok and user else "root"
-    staging = posixpath.join(posixpath.dirname(remote), f".incoming-{user}")
-    staged = posixpath.join(staging, posixpath.basename(remote))
-    q = shlex.quote
-    ok, _, err = run_remote(host, f"mkdir -p {q(staging)} && chown {q(user)} {q(staging)} && chmod 700 {q(staging)} "
-                                  f"&& if [ -f {q(remote)} ] && [ ! -f {q(staged)} ]; then mv {q(remote)} {q(staged)} "
-                                  f"&& chown {q(user)} {q(staged)}; fi")
-    if not ok:
-        raise DownloadError(f"cannot prepare {staging} on {host.name}: {' '.join(err)}")
+    ok, out, err = run_remote(host, script_command("upload-staging.sh", "prepare", remote, user))
+    if not ok or not out:
+        raise DownloadError(f"cannot prepare the upload of {remote} on {host.name}: {' '.join(err)}")
+    staged = out[-1]
     try:
         have = sftp.stat(staged).st_size
     except OSError:
@@ -249,6 +242,6 @@ def upload_to_host(host, local: Path, remote: str, run_remote) -> None:
         reader.seek(have)
         for block in iter(lambda: reader.read(CHUNK), b""):
             writer.write(block)
-    ok, _, err = run_remote(host, f"mv {q(staged)} {q(remote)} && chown root:root {q(remote)} && rmdir {q(staging)}")
+    ok, _, err = run_remote(host, script_command("upload-staging.sh", "place", remote, user, "root:root"))
     if not ok:
         raise DownloadError(f"cannot move the upload into {remote} on {host.name}: {' '.join(err)}")

@@ -5,3 +5,15 @@ from pyinfra.api.exceptions import PyinfraError
 
 class ConfigError(PyinfraError):
     """Bad manifest or host data: the message names the file or host, the key and what was expected."""
+
+
+class ManifestError(ConfigError):
+    """A manifest that cannot be used: the message names the manifest file and the key.
+
+    `problem` is the message without any host prefix, so that an inventory whose hosts share one
+    broken manifest reports it once.
+    """
+
+    def __init__(self, message: str, problem: str | None = None):
+        super().__init__(message)
+        self.problem = problem or message

@@ -1,14 +1,13 @@
-"""One servestack run as the hosts see it: its id, its lock, and how its operations speak.
-
-Helpers shared by the preflight and toolkit operations (control-machine side):
+"""One servestack run as the hosts see it: its id, how its operations speak, refuse and write records.
 
 - `run_id(state)`: one id per pyinfra run (per `State`), written into the host lock and records;
 - `plan` / `noop`: the per-host lines `--dry --diff` shows ("download 4.3 GB from ...");
-- `refuse_now` (prepare: fail the host before anything runs) and `refusal` (execute: a command
-  that fails the host with its reasons), each reason one line naming the host;
-- `run_remote`: run a command with the current operation's connection arguments (sudo, ...);
-- `release_lock_on_failure`: a state callback releasing this run's lock on a host that fails;
-- `keep` / `kept_with_release`: bookkeeping writes (records, memos) that ride with the lock's release.
+- `refuse` / `refuse_now`: the one way to refuse or fail a host, one line per problem naming it;
+- `run_remote`: run a command now with the current operation's connection arguments (sudo, ...);
+- `write_record`: bookkeeping written now (a record of what this run saw: not a change);
+- `while_busy`: a long command (venv build, health-gated restart) that keeps the host's lock alive
+  while it runs, even after this run's connection is gone (files/scripts/busy.sh);
+- `release_lock_on_failure`: a state callback releasing this run's lock on a host that fails.
 """
 
 from __future__ import annotations
@@ -20,17 +19,15 @@ from datetime import datetime, timezone
 from weakref import WeakKeyDictionary
 
 from pyinfra import logger
-from pyinfra.api import FunctionCommand
+from pyinfra.api import FunctionCommand, StringCommand
 from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import ContextObject
 
-from facts.host import release_lock_command
+from servestack.scripts import script
 
-_RUNS: "WeakKeyDictionary" = WeakKeyDictionary()
-_LOCKED: "WeakKeyDictionary" = WeakKeyDictionary()   # state -> {host name: state dir}
-_KEPT: "WeakKeyDictionary" = WeakKeyDictionary()     # state -> {host name: [(what, command)]}
-KEPT_FAILED = "servestack-kept-failed"
+_RUNS: "WeakKeyDictionary" = WeakKeyDictionary()     # State -> {"id", "started"}
+_LOCKED: "WeakKeyDictionary" = WeakKeyDictionary()   # State -> {host name: release command}
 
 
 def utc_stamp() -> str:
@@ -55,8 +52,9 @@ def run_started(state) -> str:
 
 
 def real_host(host):
-    """The Host behind pyinfra's `host` context proxy (state sets must hold real hosts)."""
-    return host._get_module() if isinstance(host, ContextObject) else host
+    """The Host behind pyinfra's `host` context proxy (whose hash and == follow the current host;
+    state sets and caches must hold real hosts)."""
+    return host.state.inventory.get_host(host.name) if isinstance(host, ContextObject) else host
 
 
 def is_executing(host) -> bool:
@@ -87,7 +85,8 @@ def _log_problems(host, problems: list[str]) -> None:
 
 
 def refuse_now(host, problems: list[str]) -> None:
-    """Prepare stage: log one line per problem and fail the host, so nothing runs on it."""
+    """Refuse the host now, while pyinfra prepares the deploy: one line per problem, and the host
+    is failed so that nothing runs on it (deploy functions and operations at prepare)."""
     _log_problems(host, problems)
     host.state.fail_hosts({real_host(host)})
 
@@ -97,9 +96,15 @@ def _fail(state, host, problems):
     return False
 
 
-def refusal(problems: list[str]) -> FunctionCommand:
-    """Execute stage: a command that logs the problems and fails the host (others go on)."""
-    return FunctionCommand(_fail, (list(problems),), {})
+def refuse(host, problems: list[str]):
+    """The one way an operation refuses or fails a host: `yield from refuse(host, [...]); return`.
+
+    At prepare the host is refused at once (`refuse_now`); at execute a command is yielded that logs
+    the problems and fails the host (other hosts go on; pyinfra's --fail-percent applies)."""
+    if is_executing(host):
+        yield FunctionCommand(_fail, (list(problems),), {})
+    else:
+        refuse_now(host, problems)
 
 
 def connector_arguments(host) -> dict:
@@ -110,7 +115,7 @@ def connector_arguments(host) -> dict:
     return {key: arguments[key] for key in CONNECTOR_ARGUMENT_KEYS if key in arguments}
 
 
-def run_remote(host, command: str, **overrides) -> tuple[bool, list[str], list[str]]:
+def run_remote(host, command, **overrides) -> tuple[bool, list[str], list[str]]:
     """Run `command` on the host now, with the operation's arguments; (ok, stdout, stderr)."""
     arguments = connector_arguments(host)
     arguments.update(overrides)
@@ -118,19 +123,34 @@ def run_remote(host, command: str, **overrides) -> tuple[bool, list[str], list[s
     return ok, output.stdout_lines, output.stderr_lines
 
 
+def write_record(host, command, what: str) -> bool:
+    """Write bookkeeping on the host now (a record of what this run saw, not a change to report);
+    a failure is a warning naming `what`."""
+    ok, _, stderr = run_remote(host, command)
+    if not ok:
+        host.log(f"could not write {what}: {' '.join(stderr)}", logger.warning)
+    return ok
+
+
+def while_busy(host, state_dir: str, step: str, command) -> StringCommand:
+    """`command` under files/scripts/busy.sh: the lock of this run stays alive while any of its
+    processes runs, and a run that finds the host busy is told `step` and since when."""
+    text = command.get_raw_value() if isinstance(command, StringCommand) else str(command)
+    return script("busy.sh", state_dir, run_id(host.state), step, "bash", "-c", text)
+
+
 class _ReleaseLockOnFailure(BaseStateCallback):
     """When an operation fails a host, release this run's lock there (if it holds it)."""
 
     @staticmethod
     def operation_host_error(state, host, op_hash, retry_attempt=0, max_retries=0):
-        op_data = state.ops.get(host, {}).get(op_hash)
-        if op_data is not None and op_data.global_arguments.get("_ignore_errors"):
+        if state.get_op_data_for_host(host, op_hash).global_arguments.get("_ignore_errors"):
             return
-        state_dir = _LOCKED.get(state, {}).get(host.name)
-        if not state_dir:
+        command = _LOCKED.get(state, {}).pop(host.name, None)
+        if command is None:
             return
         try:
-            ok, stdout, _ = run_remote(host, release_lock_command(state_dir, run_id(state)))
+            ok, stdout, _ = run_remote(host, command)
         except Exception as error:  # the connection may be what failed
             host.log(f"could not release the servestack lock ({error}); the next run will find it stale")
             return
@@ -138,43 +158,15 @@ class _ReleaseLockOnFailure(BaseStateCallback):
             host.log("released the servestack lock after the failure")
 
 
-def release_lock_on_failure(host, state_dir: str) -> None:
-    """Register (once per run) the callback releasing `state_dir`'s lock when this host fails."""
+def release_lock_on_failure(host, release_command) -> None:
+    """Register (once per run) the callback that runs `release_command` when this host fails."""
     state = host.state
     if state not in _LOCKED:
         _LOCKED[state] = {}
         state.add_callback_handler(_ReleaseLockOnFailure())
-    _LOCKED[state][host.name] = state_dir
+    _LOCKED[state][host.name] = release_command
 
 
-def keep(host, command: str, what: str) -> None:
-    """Write bookkeeping on the host (a record or memo of what this run saw: not a change).
-
-    While this run holds the host's lock, the command rides with the lock's release, the run's last
-    remote command, instead of costing a round trip of its own (`kept_with_release`); if the host
-    fails first, it is not written and a later run makes it again. Without the lock (an operation
-    run on its own) it runs now."""
-    state = host.state
-    if host.name not in _LOCKED.get(state, {}):
-        ok, _, stderr = run_remote(host, command)
-        if not ok:
-            host.log(f"could not write {what}: {' '.join(stderr)}", logger.warning)
-        return
-    _KEPT.setdefault(state, {}).setdefault(host.name, []).append((what, command))
-
-
-def kept_with_release(host, release_command: str) -> tuple[str, list[str]]:
-    """The lock release preceded by the bookkeeping `keep` queued for this host (each in its own
-    subshell: one that fails prints `KEPT_FAILED <index>` and the lock is released all the same),
-    and what each queued write is, by index."""
-    kept = _KEPT.get(host.state, {}).pop(host.name, [])
-    writes = [f"( {command}\n) || echo '{KEPT_FAILED} {index}'\n" for index, (_, command) in enumerate(kept)]
-    return "".join(writes) + release_command, [what for what, _ in kept]
-
-
-def report_kept(host, stdout: list[str], stderr: list[str], whats: list[str]) -> None:
-    """Warn about each queued bookkeeping write that failed (see `kept_with_release`)."""
-    for line in stdout:
-        if line.startswith(KEPT_FAILED + " "):
-            index = int(line.split()[1])
-            host.log(f"could not write {whats[index]}: {' '.join(stderr)}", logger.warning)
+def lock_released(host) -> None:
+    """This host's lock was released by the run: no release on a later failure."""
+    _LOCKED.get(host.state, {}).pop(host.name, None)

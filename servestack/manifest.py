@@ -17,7 +17,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from servestack.errors import ConfigError
+from servestack.errors import ManifestError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MANIFEST = PROJECT_ROOT / "files" / "stack.toml"
@@ -82,9 +82,9 @@ class _Reader:
     def key(self, name: str) -> str:
         return f"{self.prefix}{name}"
 
-    def fail(self, name: str, expected: str, got=None) -> ConfigError:
+    def fail(self, name: str, expected: str, got=None) -> ManifestError:
         shown = "" if got is None else f", got {got!r}"
-        return ConfigError(f"{self.path.name}: key '{self.key(name)}': expected {expected}{shown}")
+        return ManifestError(f"{self.path}: key '{self.key(name)}': expected {expected}{shown}")
 
     def get(self, name: str, kind: type | tuple, expected: str):
         if name not in self.table:
@@ -167,6 +167,8 @@ def _cuda(reader: _Reader) -> tuple[dict, dict[str, Runfile]]:
         "extract_bytes": cuda.positive_int("extract_bytes"),
         "install_bytes": cuda.positive_int("install_bytes"),
     }
+    if not all(isinstance(flag, str) and flag.startswith("--") for flag in values["installer_flags"]):
+        raise cuda.fail("installer_flags", "a list of installer flags like '--silent'", values["installer_flags"])
     for kept in values["keep"]:
         if not isinstance(kept, str) or not re.fullmatch(r"\d+\.\d+", kept):
             raise cuda.fail("keep", "toolkit versions like '12.8'", kept)
@@ -189,6 +191,8 @@ def _major_minor(version: str) -> str:
 def _packages(reader: _Reader, indexes: dict[str, str]) -> tuple[Package, ...]:
     packages = []
     for number, table in enumerate(reader.get("packages", list, "an array of [[packages]]")):
+        if not isinstance(table, dict):
+            raise reader.fail(f"packages[{number}]", "a [[packages]] table", table)
         item = _Reader(reader.path, table, f"packages[{number}].")
         item.only({"name", "version", "step", "index", "wheel"})
         index = table.get("index")
@@ -212,7 +216,10 @@ def _packages(reader: _Reader, indexes: dict[str, str]) -> tuple[Package, ...]:
 
 
 def parse_manifest(path: Path, data: dict) -> Manifest:
-    """Validate a manifest's parsed TOML; raise ConfigError naming the first bad key."""
+    """Validate a manifest's parsed TOML; raise ManifestError naming the file and the first bad key.
+
+    The [venv] and [service] tables are read as plain tables here: servestack/settings.py checks
+    them against the host-data keys they are the defaults of (`check_manifest_defaults`)."""
     reader = _Reader(path, data)
     reader.only({"schema", "cuda", "gpu", "uv", "indexes", "packages", "venv", "service"})
     if reader.get("schema", int, "the schema number 1") != 1:
@@ -245,7 +252,9 @@ def load_manifest(path: str | Path = DEFAULT_MANIFEST) -> Manifest:
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: manifest file not found") from None
+        raise ManifestError(f"{path}: manifest file not found") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ManifestError(f"{path}: cannot read the manifest: {error}") from None
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path.name}: not valid TOML: {error}") from None
+        raise ManifestError(f"{path}: not valid TOML: {error}") from None
     return parse_manifest(path, data)

@@ -1,8 +1,7 @@
 """Exact unified-diff engine for servestack's source patches (stdlib only).
 
 The same source runs in two places: locally (unit tests) and on the target host, where
-facts/patches.py ships it to the environment's own python together with the patch texts
-(and servestack/memo.py, the one module it imports beyond the standard library).
+facts/patches.py ships it to the environment's own python together with the patch texts.
 Hunks match exactly: every context and removed line must be identical, hunks may move
 (offset) but there is no fuzz, unlike GNU patch, which happily applies the Kimi patch a
 second time to sglang 0.5.10 with fuzz 2.
@@ -27,14 +26,13 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from servestack import memo  # on the host: shipped beside the engine (facts/patches.py)
-
 APPLIED = "applied"
 APPLICABLE = "applicable"
 UPSTREAM = "upstream"
 CONFLICT = "conflict"
 
 RECORD_NAME = "servestack-patches.json"
+SUMS_HEADER = "servestack-patch-sums 1"
 
 _HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
@@ -410,8 +408,12 @@ def record_status(record_path: Path, expected: dict) -> str:
     return "current" if current == expected else "stale"
 
 
-def apply_set(site_packages: Path, patches: list, checks: dict | None, package: str, version: str, record_path: Path) -> list:
-    """Apply every applicable patch and write the record, all or nothing; then byte-compile."""
+def apply_set(site_packages: Path, patches: list, checks: dict | None, package: str, version: str,
+              record_path: Path, sums: tuple[str, Path] | None = None) -> list:
+    """Apply every applicable patch and write the record, all or nothing; then byte-compile.
+
+    `sums` (the set's digest, the distribution's METADATA) also writes the record's sums file
+    (`sums_path`) in the same all-or-nothing replace."""
     results = evaluate_set(site_packages, patches, checks)
     problem = refusal([r.as_dict() for r in results])
     if problem:
@@ -421,13 +423,56 @@ def apply_set(site_packages: Path, patches: list, checks: dict | None, package: 
         if r.state == APPLICABLE:
             contents.update((f.path, f.after) for f in r.files)
     writes = {site_packages / path: text.encode() for path, text in contents.items()}
-    writes[record_path] = (json.dumps(make_record(package, version, results), indent=2) + "\n").encode()
+    writes[record_path] = record_bytes(make_record(package, version, results))
+    if sums:
+        text = sums_text(sums[0], sums[1], record_path, writes[record_path], results)
+        if text:
+            writes[Path(sums_path(str(record_path)))] = text.encode()
     replace_all(writes)
     import py_compile  # here, not at the top: only applying needs it (the check runs every converge)
 
     for path in contents:
         py_compile.compile(str(site_packages / path), doraise=True)
     return results
+
+
+def record_bytes(record: dict) -> bytes:
+    return (json.dumps(record, indent=2) + "\n").encode()
+
+
+# --- the sums of a set in place ------------------------------------------------------------
+# Beside the record, `<record>.sha256` lists (in `sha256sum -c` format) the sha256 of every file the
+# check of a set in place read: each patched file, the record, the distribution's METADATA (its
+# version chose the set). Its first line names the digest of the engine and the set that judged
+# them. While `sha256sum -c` confirms every file and the digest is the controller's, the check's
+# answer is the record's (facts/patches.py): the files are the ones this engine and set found in
+# place. Anything else runs the full check.
+
+
+def sums_path(record_path: str) -> str:
+    return f"{record_path}.sha256"
+
+
+def sums_text(digest: str, metadata: Path, record_path: Path, record: bytes, results: list) -> str | None:
+    """The sums of a set in place (None when a path cannot be written in sha256sum's format).
+
+    Paths are the ones the check reaches, through the sys.path entry holding the distribution
+    (`metadata`'s), links not resolved: a later check through a re-pointed link reads other files."""
+    entry = metadata.parent.parent
+    entries = {str(record_path): record, str(metadata): metadata.read_bytes()}
+    for result in results:  # in order: a file two patches touch gets its final text
+        for f in result.files:
+            entries[str(entry / f.path)] = f.after.encode()
+    if any("\n" in path or "\\" in path for path in entries):
+        return None
+    lines = [f"{SUMS_HEADER} {digest}"]
+    lines += [f"{hashlib.sha256(data).hexdigest()}  {path}" for path, data in entries.items()]
+    return "\n".join(lines) + "\n"
+
+
+def in_place(results: list, record: str) -> bool:
+    """Whether the set is in place: nothing to apply, no conflict, every check ok, record current."""
+    return record == "current" and all(r.state in (APPLIED, UPSTREAM) and r.check == "ok" for r in results)
 
 
 def replace_all(writes: dict) -> None:
@@ -515,9 +560,8 @@ def _metadata_version(metadata: Path) -> str | None:
 def find_distribution(package: str) -> tuple[str, Path, Path | None] | None:
     """(version, the directory holding it, its METADATA file) of the installed distribution, the
     first on sys.path, as importlib.metadata finds it; read from its .dist-info directly because
-    importing importlib.metadata costs ~40 ms on the host on every converge (it imports email,
-    zipfile...). Distributions without a .dist-info (old .egg-info) are left to importlib.metadata,
-    and have no METADATA path here (the check's memo needs one)."""
+    importing importlib.metadata (email, zipfile...) would cost more than the rest of the check. Distributions without a .dist-info (old .egg-info) are left to importlib.metadata,
+    and have no METADATA path here (the sums need one)."""
     found = _dist_info(package)
     if found:
         version, entry, metadata = found
@@ -547,46 +591,17 @@ def _dist_info(package: str) -> tuple[str, Path, Path] | None:
     return None
 
 
-# --- the check's memo ----------------------------------------------------------------------
-# A converged host's check gives the same answer on every converge, but costs its python ~100 ms
-# of CPU (start, imports, compiling the engine and the checks). The answer depends only on the
-# payload (engine, sets, mode, paths) and on the files and directories read: the interpreter, the
-# directories searched for the distribution, its METADATA, the target files, the record. The
-# check reports them in a memo (servestack/memo.py: their stat, the racy second); the patches
-# operation keeps it on the host once the set is in place, and the fact's shell prints the kept
-# answer while `stat` still shows exactly that state (facts/patches.py).
-
-MEMO_HEADER = "servestack-patches-memo 1"
-
-
-def memo_inputs(site_packages: Path, metadata: Path, record_path: Path, results: list) -> list:
-    """Every path the check's answer depends on (see above), in a stable order."""
-    inputs = [sys.executable, os.path.join(sys.prefix, "pyvenv.cfg"), *(entry for entry in sys.path if entry)]
-    try:
-        inputs += sorted(str(site_packages / name) for name in os.listdir(site_packages) if name.endswith(".pth"))
-    except OSError:
-        pass
-    inputs.append(str(metadata))
-    inputs += [str(site_packages / f.path) for result in results for f in result.files]
-    inputs.append(str(record_path))
-    return list(dict.fromkeys(inputs))
-
-
-def memo_text(answer: dict, digest: str, inputs: list, started_ns: int) -> str | None:
-    """The check's memo of `answer` for the payload `digest` (None: see servestack/memo.py)."""
-    return memo.text(f"{MEMO_HEADER} {digest}", answer, inputs, started_ns)
-
-
 def remote_main(payload: dict) -> int:
     """Run on the host by the environment's python; prints one JSON object.
 
     payload: {"mode": "check"|"apply", "package", "record_path" (or None: sys.prefix),
               "sets": {version: {"patches": [[name, text], ...], "checks": source|None}},
-              "engine", "memo": the sources of this module and servestack/memo.py (run as such),
-              "digest": sha256 of the payload as sent (added on the host; keys the memo)}
+              "digests": {version: sha256 of the engine and that set (facts/patches.py)},
+              "engine": the source of this module}
+
+    A check that finds the set in place at a given record path also prints the sums that let
+    the next check confirm it with `sha256sum -c` (`sums`: facts/patches.py keeps them).
     """
-    import time
-    started_ns = time.time_ns()
     package = payload["package"]
     out = {"python": sys.executable, "package": package, "installed": False}
     found = find_distribution(package)
@@ -608,21 +623,23 @@ def remote_main(payload: dict) -> int:
         record_path = Path(payload["record_path"] or Path(sys.prefix) / RECORD_NAME)
         patches = [tuple(p) for p in patch_set["patches"]]
         checks = load_checks(patch_set["checks"], f"servestack_patch_checks_{package}")
+        digest = payload.get("digests", {}).get(version)
+        sums = (digest, metadata) if digest and metadata and payload["record_path"] else None
         try:
             if payload["mode"] == "apply":
-                results = apply_set(site_packages, patches, checks, package, version, record_path)
+                results = apply_set(site_packages, patches, checks, package, version, record_path, sums)
             else:
                 results = evaluate_set(site_packages, patches, checks)
         except PatchError as exc:
             print(f"servestack patches: {exc}", file=sys.stderr)
             return 1
+        expected = make_record(package, version, results)
         out.update(
             patches=[r.as_dict() for r in results],
             record_path=str(record_path),
-            record=record_status(record_path, make_record(package, version, results)),
+            record=record_status(record_path, expected),
         )
-        if payload["mode"] == "check" and payload.get("digest") and payload["record_path"] and metadata:
-            inputs = memo_inputs(site_packages, metadata, record_path, results)
-            out["memo"] = memo_text(dict(out), payload["digest"], inputs, started_ns)
+        if payload["mode"] == "check" and sums and in_place(results, out["record"]):
+            out["sums"] = sums_text(digest, metadata, record_path, record_path.read_bytes(), results)
     print(json.dumps(out))
     return 0

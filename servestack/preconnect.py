@@ -1,26 +1,30 @@
-"""Validate the inventory the moment pyinfra has loaded it, before any host connects."""
+"""Validate the inventory the moment pyinfra has loaded it, before any host connects
+(config.py hooks `validate_targets` there: servestack/pyinfra_hooks.py).
 
-from servestack.settings import validate_inventory
-from servestack.targets import refuse_local_targets
+Everything that can be refused without a connection is refused here, in one message, one line per
+problem, every host's problems at once: the manifest, the host data (types, strict keys,
+consistency), the secrets `service_secret_env` names (they must be set in this machine's
+environment, which the secrets file is written from) and targets that would act on this machine.
+"""
+
+from servestack.errors import ConfigError
+from servestack.settings import check_inventory, secret_problems
+from servestack.targets import REFUSAL, target_problems
 
 
-def validate_targets(state) -> None:
-    """Validate settings of every host in the run's limit; refuse local or placeholder targets."""
+def targets_problems(hosts, environ=None) -> list[str]:
+    """Every line `validate_targets` refuses `hosts` with, in inventory order (none: they may run)."""
+    _settings, problems = check_inventory(hosts)
+    for index, host in enumerate(hosts):
+        problems += [(index, line) for line in secret_problems(host.name, host.data.dict(), environ)]
+    problems += target_problems(hosts)
+    problems.sort(key=lambda item: item[0])  # stable: each host's lines stay in that order
+    return [line for _index, line in problems]
+
+
+def validate_targets(state, environ=None) -> None:
+    """Refuse the run, naming every problem of every host in its limit, before any connection."""
     hosts = [host for host in state.inventory if state.is_host_in_limit(host)]
-    validate_inventory(hosts)
-    refuse_local_targets(hosts)
-
-
-def validate_after_inventory_load(state) -> None:
-    """Hook `validate_targets` onto `state.init`, which pyinfra's CLI calls right before connecting.
-
-    pyinfra 3.10 has no hook between loading the inventory and connecting (its callback list is
-    created inside `State.init`), so the bound method is wrapped on this one state object.
-    """
-    original_init = state.init
-
-    def init_then_validate(inventory, config, **kwargs):
-        original_init(inventory, config, **kwargs)
-        validate_targets(state)
-
-    state.init = init_then_validate
+    problems = targets_problems(hosts, environ)
+    if problems:
+        raise ConfigError(REFUSAL + "\n" + "\n".join(problems))

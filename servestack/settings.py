@@ -4,24 +4,47 @@ Every servestack host-data key is declared in `host_keys()` with its type, its d
 from the manifest) and what it means. `validate_inventory` checks every host before any
 connection and refuses, in one message, every unknown key, wrong type or inconsistent value,
 naming the host, the key and what was expected. Operations call `host_settings(host)`.
+
+Strict keys. Host data is shared with pyinfra and with the user's own deploys, so a key that is
+not servestack's is left alone, except when it reads as a mistake for one (`foreign_key_problem`):
+  1. it has a servestack prefix (OWN_PREFIXES) but is not a servestack key: `cuda_mirorr`;
+  2. it is at most two edits from a servestack key, compared case-insensitively, an edit being an
+     insertion, a deletion, a substitution or a swap of two adjacent characters (optimal string
+     alignment, the restricted Damerau-Levenshtein distance): `servce_port`, `Service_Port`;
+  3. it is a servestack key without its prefix, exactly: `tp`, `port`, `model_path`;
+  4. it starts with a prefix people use for servestack's (`sglang_`, `server_`, `svc_`, ... for
+     `service_`; `toolkit_` for `cuda_`: PREFIX_ALIASES) and, with servestack's
+     prefix put in its place, is at most two edits from a servestack key: `sglang_port`.
+Any other unknown prefix is the user's own (`db_port`, `app_user`, `backup_path` pass), as are
+pyinfra's own keys (its global arguments `_sudo`, `name`, ... and its connectors' `ssh_*`,
+`docker_*`). A key of the user's own that trips rule 2-4 (`cpu_count` is one edit from
+`gpu_count`) is listed in `servestack_user_keys`.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from functools import lru_cache
+from typing import Any, Callable, Iterable
 from weakref import WeakKeyDictionary
 
 from packaging.version import InvalidVersion, Version
 
-from servestack.errors import ConfigError
+from servestack.errors import ConfigError, ManifestError
+from servestack.hostrun import real_host
 from servestack.manifest import DEFAULT_MANIFEST, Manifest, Package, Runfile, load_manifest
 
 # Host-data keys starting with these belong to servestack: an unknown one is an error, not ignored.
 OWN_PREFIXES = ("servestack_", "cuda_", "gpu_", "uv_", "venv_", "service_", "index_",
                 "wheel_url_", "rollout_", "patches_", "verify_")
+
+# Prefixes that stand for one of servestack's in host data people write (strict keys, rule 4).
+PREFIX_ALIASES = {"sglang_": "service_", "sgl_": "service_", "server_": "service_", "serve_": "service_",
+                  "svc_": "service_", "srv_": "service_", "toolkit_": "cuda_"}
+MAX_EDITS = 2  # strict keys, rules 2 and 4
 
 SPECULATIVE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE", "NONE")
 
@@ -147,6 +170,14 @@ def env_names(value):
     return names
 
 
+def user_key_names(value):
+    names = string_list(value)
+    for name in names:
+        if name.startswith(OWN_PREFIXES):
+            raise Invalid(f"keys of your own, without a servestack prefix ({name!r} has one)")
+    return names
+
+
 def _literal(value) -> Callable[[Manifest], Any]:
     return lambda manifest: value
 
@@ -191,8 +222,46 @@ _VENV_KEYS = {  # defaults are the manifest's [venv] table
 }
 
 
+def _expectation(check: Callable) -> str:
+    """What a checker expects, in its own words."""
+    try:
+        check(object())
+    except Invalid as problem:
+        return str(problem)
+    return "a value"
+
+
+def manifest_problems(manifest: Manifest) -> list[str]:
+    """Every problem of the manifest's [venv] and [service] tables, the defaults of the venv_* and
+    service_* keys: a missing key, an unknown key or a value its host-data key would refuse."""
+    problems = []
+    for section, specs in (("venv", _VENV_KEYS), ("service", _SERVICE_KEYS)):
+        table = getattr(manifest, section)
+        for name, (check, _meaning) in specs.items():
+            where = f"{manifest.path}: key '{section}.{name}'"
+            if name not in table:
+                problems.append(f"{where}: expected {_expectation(check)} (missing)")
+                continue
+            try:
+                check(table[name])
+            except Invalid as problem:
+                problems.append(f"{where}: expected {problem}, got {table[name]!r}")
+        problems += [f"{manifest.path}: key '{section}.{name}': expected one of the known keys "
+                     f"{sorted(specs)} (unknown key)" for name in table if name not in specs]
+    return problems
+
+
+def check_manifest_defaults(manifest: Manifest) -> None:
+    """Raise ManifestError listing every problem `manifest_problems` finds."""
+    problems = manifest_problems(manifest)
+    if problems:
+        raise ManifestError("\n".join(problems))
+
+
 def host_keys(manifest: Manifest) -> dict[str, Key]:
-    """Every servestack host-data key, with defaults from `manifest`."""
+    """Every servestack host-data key, with defaults from `manifest`; ManifestError when the
+    manifest cannot give every default."""
+    check_manifest_defaults(manifest)
     keys = [
         Key("servestack_manifest", abs_path, _literal(str(DEFAULT_MANIFEST)),
             "path (on the control machine) of the stack manifest this host uses"),
@@ -200,6 +269,9 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
             "allow targeting the machine pyinfra runs on (@local, localhost)"),
         Key("servestack_state_dir", abs_path, _literal("/var/lib/servestack"),
             "servestack's state on the host: lock, backups, records"),
+        Key("servestack_user_keys", user_key_names, _literal(()),
+            "host-data keys of your own that look like a mistyped servestack key (e.g. cpu_count, "
+            "one edit from gpu_count): never refused as one"),
         Key("cuda_version", version, _from("cuda", "version"),
             "CUDA toolkit version to install; must have a runfile entry in the manifest"),
         Key("cuda_install_path", abs_path, _from("cuda", "install_path"), "where the toolkit installs"),
@@ -286,70 +358,198 @@ class Settings:
         return self.manifest.packages
 
 
-def _check_key(key: Key, value, errors: list[str]):
-    try:
-        return key.check(value)
-    except Invalid as problem:
-        errors.append(f"'{key.name}': expected {problem}, got {value!r}")
-        return None
-
-
 def _unknown(name: str, known: dict[str, Key]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"'{name}': unknown servestack key{hint}; see README 'Host data'"
 
 
-def _consistency(values: dict, manifest: Manifest) -> list[str]:
+# -- strict keys (the module's docstring says which foreign keys are refused) ----------------------
+
+def edit_distance(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions and swaps of two
+    adjacent characters, each one edit (no substring is edited twice)."""
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        current = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                current[j] = min(current[j], previous2[j - 2] + 1)
+        previous2, previous = previous, current
+    return previous[len(b)]
+
+
+def _without_prefix(key: str) -> str:
+    for prefix in sorted(OWN_PREFIXES, key=len, reverse=True):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+@lru_cache(maxsize=1)
+def pyinfra_keys() -> frozenset[str]:
+    """pyinfra's own host-data keys: its global arguments (`_sudo`, `name`, ...) and the data its
+    connectors read (`ssh_user`, `docker_identifier`, ...). Never refused as a servestack typo."""
+    names: set[str] = set()
+    try:
+        from pyinfra.api.arguments import all_global_arguments
+        names.update(name for name, _type in all_global_arguments())
+    except (ImportError, AttributeError, TypeError, ValueError):  # pragma: no cover - pyinfra changed
+        pass
+    try:
+        from pyinfra.api.connectors import get_all_connectors
+        for connector in get_all_connectors().values():
+            names.update(getattr(connector, "data_meta", None) or {})
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - pyinfra changed
+        pass
+    return frozenset(names)
+
+
+def _nearest(name: str, known: Iterable[str]) -> tuple[int, list[str]]:
+    """The smallest edit distance from `name` to a key of `known` within MAX_EDITS (else more) and
+    the keys at that distance."""
+    distances = {key: edit_distance(name, key) for key in known if abs(len(key) - len(name)) <= MAX_EDITS}
+    best = min(distances.values(), default=MAX_EDITS + 1)
+    return best, sorted(key for key, distance in distances.items() if distance == best)
+
+
+def _did_you_mean(name: str, why: str, keys: list[str]) -> str:
+    quoted = ", ".join(f"'{key}'" for key in keys)
+    meant = quoted if len(keys) == 1 else f"one of {quoted}"
+    return (f"'{name}': unknown key, {why}: did you mean {meant}? "
+            "(a key of your own: list it in servestack_user_keys)")
+
+
+def foreign_key_problem(name: str, known: dict[str, Key] | Iterable[str]) -> str | None:
+    """Why a host-data key without a servestack prefix reads as a mistake for a servestack key
+    (strict keys, rules 2-4), or None: the key is the user's (or pyinfra's) own."""
+    if name in pyinfra_keys():
+        return None
+    return _foreign_key_problem(name, tuple(known))
+
+
+@lru_cache(maxsize=4096)  # a fleet's hosts share their keys: each name is judged once per manifest
+def _foreign_key_problem(name: str, known: tuple[str, ...]) -> str | None:
+    folded = name.casefold()
+    distance, keys = _nearest(folded, known)
+    if distance <= MAX_EDITS:
+        why = ("'" + keys[0] + "' in other letter case" if distance == 0 else
+               f"{distance} edit{'s' if distance > 1 else ''} from " + " and ".join(f"'{key}'" for key in keys))
+        return _did_you_mean(name, why, keys)
+    bare = sorted(key for key in known if _without_prefix(key) == name)
+    if bare:
+        prefixes = sorted({key[:len(key) - len(name)] for key in bare})
+        return _did_you_mean(name, "a servestack key without its prefix "
+                             + " or ".join(f"'{prefix}'" for prefix in prefixes), bare)
+    for alias, prefix in PREFIX_ALIASES.items():
+        if folded.startswith(alias):
+            distance, keys = _nearest(prefix + folded[len(alias):], known)
+            if distance <= MAX_EDITS:
+                return _did_you_mean(name, f"'{alias}' reads as servestack's '{prefix}'", keys)
+    return None
+
+
+# -- consistency ----------------------------------------------------------------------------------
+
+def _consistency(values: dict, manifest: Manifest, bad: set[str]) -> list[str]:
+    """Checks across keys, each made only when every key it reads has a valid value (`bad`: the
+    keys already refused), so that one wrong value does not hide another problem."""
+    def usable(*names: str) -> bool:
+        return not bad.intersection(names)
+
     errors = []
-    if values["cuda_version"] != manifest.cuda["version"]:
+    if usable("cuda_version") and values["cuda_version"] != manifest.cuda["version"]:
         errors.append(f"'cuda_version': no runfile entry for CUDA {values['cuda_version']} in "
                       f"{manifest.path.name} (it has {manifest.cuda['version']})")
-    tp, gpus = values["service_tp"], values["gpu_count"]
-    if gpus % tp:
-        errors.append(f"'service_tp': expected a tensor-parallel size that divides gpu_count={gpus}, got {tp}")
-    steps, topk = values["service_speculative_num_steps"], values["service_speculative_eagle_topk"]
-    draft = values["service_speculative_num_draft_tokens"]
-    if topk == 1 and draft != steps + 1:
-        errors.append("'service_speculative_num_draft_tokens': expected speculative_num_steps + 1 = "
-                      f"{steps + 1} when speculative_eagle_topk is 1, got {draft}")
-    if values["cuda_runfile_url"] and values["cuda_mirror"]:
+    if usable("service_tp", "gpu_count"):
+        tp, gpus = values["service_tp"], values["gpu_count"]
+        if gpus % tp:
+            errors.append(f"'service_tp': expected a tensor-parallel size that divides gpu_count={gpus}, got {tp}")
+    if usable("service_speculative_num_steps", "service_speculative_eagle_topk",
+              "service_speculative_num_draft_tokens"):
+        steps, topk = values["service_speculative_num_steps"], values["service_speculative_eagle_topk"]
+        draft = values["service_speculative_num_draft_tokens"]
+        if topk == 1 and draft != steps + 1:
+            errors.append("'service_speculative_num_draft_tokens': expected speculative_num_steps + 1 = "
+                          f"{steps + 1} when speculative_eagle_topk is 1, got {draft}")
+    if usable("cuda_runfile_url", "cuda_mirror") and values["cuda_runfile_url"] and values["cuda_mirror"]:
         errors.append("'cuda_runfile_url': set either cuda_runfile_url or cuda_mirror, not both")
     return errors
 
 
-def settings_from_data(host_name: str, data: dict) -> Settings:
-    """Build one host's settings from its merged host data; raise ConfigError listing every problem."""
-    errors: list[str] = []
+def _host_manifest(host_name: str, data: dict) -> tuple[Manifest, dict[str, Key]]:
     manifest_path = data.get("servestack_manifest", str(DEFAULT_MANIFEST))
     try:
-        manifest = load_manifest(abs_path(manifest_path))
+        path = abs_path(manifest_path)
     except Invalid:
         raise ConfigError(f"host {host_name}: 'servestack_manifest': expected an absolute path, "
                           f"got {manifest_path!r}") from None
-    except ConfigError as error:
-        raise ConfigError(f"host {host_name}: {error}") from None
-    known = host_keys(manifest)
-    values = {}
-    for name in sorted(data):
-        if name.startswith(OWN_PREFIXES) and name not in known:
+    try:
+        manifest = load_manifest(path)
+        return manifest, host_keys(manifest)
+    except ManifestError as error:
+        raise ManifestError("\n".join(f"host {host_name}: {line}" for line in error.problem.splitlines()),
+                            error.problem) from None
+
+
+def settings_from_data(host_name: str, data: dict) -> Settings:
+    """Build one host's settings from its merged host data; raise ConfigError listing every problem
+    (ManifestError when its manifest is unusable)."""
+    manifest, known = _host_manifest(host_name, data)
+    errors: list[str] = []
+    try:
+        own = set(user_key_names(data.get("servestack_user_keys", ())))
+    except Invalid:
+        own = set()  # refused below, with the other values
+    for name in sorted(key for key in data if isinstance(key, str)):
+        if name in known or name in own:
+            continue
+        if name.startswith(OWN_PREFIXES):
             errors.append(_unknown(name, known))
+        elif problem := foreign_key_problem(name, known):
+            errors.append(problem)
+    values, bad = {}, set()
     for name, key in known.items():
-        values[name] = _check_key(key, data[name], errors) if name in data else key.default(manifest)
-    if not errors:
-        errors = _consistency(values, manifest)
+        if name not in data:
+            values[name] = key.default(manifest)
+            continue
+        try:
+            values[name] = key.check(data[name])
+        except Invalid as problem:
+            errors.append(f"'{name}': expected {problem}, got {data[name]!r}")
+            values[name], bad = None, bad | {name}
+    errors += _consistency(values, manifest, bad)
     if errors:
         raise ConfigError("\n".join(f"host {host_name}: {error}" for error in errors))
     return Settings(host_name, manifest, values)
 
 
+def secret_problems(host_name: str, data: dict, environ=None) -> list[str]:
+    """Lines naming every variable of the host's `service_secret_env` the control machine cannot
+    supply (the secrets file is written from this environment: operations/service.py
+    `secrets_content`). `data`: the host's merged host data (its other problems do not matter here;
+    a `service_secret_env` that is no list of names is settings_from_data's to refuse)."""
+    environ = os.environ if environ is None else environ
+    try:
+        names = env_names(data.get("service_secret_env", ()))
+    except Invalid:
+        return []
+    problems = []
+    for name in names:
+        value = environ.get(name)
+        if value is None:
+            problems.append(f"{name} is not set in the control machine's environment (export it before the run)")
+        elif not value:
+            problems.append(f"{name} is set but empty in the control machine's environment")
+        elif "\n" in value or "'" in value or "\x00" in value:
+            problems.append(f"{name} contains a newline or a single quote, which the secrets file cannot hold")
+    return [f"host {host_name}: 'service_secret_env': {problem}" for problem in problems]
+
+
 _CACHE: "WeakKeyDictionary[Any, Settings]" = WeakKeyDictionary()
-
-
-def real_host(host):
-    """The Host behind pyinfra's `host` context proxy (whose hash and == follow the current host)."""
-    get_module = getattr(type(host), "_get_module", None)
-    return get_module(host) if get_module else host
 
 
 def host_settings(host) -> Settings:
@@ -360,15 +560,36 @@ def host_settings(host) -> Settings:
     return _CACHE[host]
 
 
-def validate_inventory(inventory) -> dict[str, Settings]:
-    """Validate every host of an inventory; raise one ConfigError listing all problems."""
-    problems, settings = [], {}
-    for host in inventory:
+def _hosts_label(names: list[str], shown: int = 5) -> str:
+    if len(names) == 1:
+        return f"host {names[0]}"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return "hosts " + ", ".join(names[:shown]) + more
+
+
+def check_inventory(hosts) -> tuple[dict[str, Settings], list[tuple[int, str]]]:
+    """Validate every host: the settings of the valid ones, and one (host index, line) per problem
+    of the others, in inventory order. A manifest problem shared by several hosts is one line."""
+    settings: dict[str, Settings] = {}
+    problems: list[tuple[int, str]] = []
+    manifests: dict[str, tuple[int, list[str]]] = {}
+    for index, host in enumerate(hosts):
         try:
             settings[host.name] = host_settings(host)
+        except ManifestError as error:
+            manifests.setdefault(error.problem, (index, []))[1].append(host.name)
         except ConfigError as error:
-            problems.append(str(error))
+            problems += [(index, line) for line in str(error).splitlines()]
+    for problem, (index, names) in manifests.items():
+        problems += [(index, f"{_hosts_label(names)}: {line}") for line in problem.splitlines()]
+    problems.sort(key=lambda item: item[0])
+    return settings, problems
+
+
+def validate_inventory(inventory) -> dict[str, Settings]:
+    """Validate every host of an inventory; raise one ConfigError listing all problems."""
+    settings, problems = check_inventory(list(inventory))
     if problems:
         raise ConfigError("invalid servestack settings (nothing was changed on any host):\n"
-                          + "\n".join(problems))
+                          + "\n".join(line for _index, line in problems))
     return settings

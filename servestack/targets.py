@@ -6,6 +6,7 @@ import socket
 from servestack.errors import ConfigError
 
 PLACEHOLDER_SUFFIX = ".example"
+REFUSAL = "refusing to run (nothing was changed on any host):"
 
 
 def _is_local_address(name: str) -> bool:
@@ -34,8 +35,13 @@ def target_problem(host) -> str | None:
     return None
 
 
+def target_problems(inventory) -> list[tuple[int, str]]:
+    """(host index, line) for each host that must not be targeted as given."""
+    return [(index, f"host {host.name}: {problem}") for index, host in enumerate(inventory)
+            if (problem := target_problem(host))]
+
+
 def refuse_local_targets(inventory) -> None:
-    problems = [f"host {host.name}: {problem}" for host in inventory
-                if (problem := target_problem(host))]
+    problems = target_problems(list(inventory))
     if problems:
-        raise ConfigError("refusing to run (nothing was changed on any host):\n" + "\n".join(problems))
+        raise ConfigError(REFUSAL + "\n" + "\n".join(line for _index, line in problems))

@@ -1,4 +1,4 @@
-"""The verification suite's control side: pyinfra inventory -> testinfra hosts, probes, the fleet table.
+"""The verification suite's control side: pyinfra inventory -> testinfra hosts, their reads, the fleet table.
 
     pytest tests/verify --inventory inventory.py [--limit GROUP_OR_HOST] [--junitxml=FILE]
     pytest tests/verify --hosts=ssh://root@gpu-node-01 [--host-data gpu_count=4]
@@ -13,33 +13,44 @@ host data the deploy used) and a testinfra backend reached the way pyinfra reach
     @local          local://
     @chroot/PATH    testinfra's chroot backend on PATH
 
-A target runs each probe group of servestack/checks.py once (one remote command) and keeps its
-output; every test reads from that. `servestack verify` runs the same suite in-process and prints
-one table: a row per check, a column per host.
+A target reads what its checks read (servestack/checks/readings.py: each group's facts, in one
+remote command) once, and keeps it; every test judges from that. `servestack verify` runs the
+same suite in-process and prints one table: a row per check, a column per host.
+
+`servestack status` and `servestack backups` reach hosts the same way (`targets_from_inventory`,
+then `read_all`: any facts, one remote command per host, hosts in parallel). Reports print on
+`report_console()`: a terminal's width, or, when the output is not a terminal (CI logs, pipes),
+wide enough that no table cell or reason is cut or wrapped.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from servestack import checks
+from servestack.checks.catalogue import CHECKS, CHECKS_BY_NAME, base_name
+from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
+from servestack.checks.readings import NEEDS, Readings, in_order, read_batch, read_groups
 from servestack.errors import ConfigError
 from servestack.manifest import PROJECT_ROOT
 from servestack.settings import Settings, settings_from_data
-from servestack.targets import PLACEHOLDER_SUFFIX
+from servestack.targets import PLACEHOLDER_SUFFIX, target_problem
+from servestack.pyinfra_hooks import import_pyinfra_cli
 
 VERIFY_TESTS = PROJECT_ROOT / "tests" / "verify"
 SSH_CONTROL_PERSIST_S = 60
 PREFETCH_WORKERS = 16
+# A report's width when its output is not a terminal: no table cell or reason is cut or wrapped
+# (rich's default there is 80 columns). Tables keep their natural width; text is not padded.
+UNCUT_WIDTH = 10_000
 
 
 # --- inventory -> testinfra backends ------------------------------------------------------
@@ -111,7 +122,7 @@ def ssh_backend(name: str, data: dict) -> Backend:
         hostname = f"[{hostname}]"
     user = f"{data['ssh_user']}@" if data.get("ssh_user") else ""
     port = f":{int(data['ssh_port'])}" if data.get("ssh_port") else ""
-    # One master connection per host for all its probes. Given in ssh_extra_args, which testinfra
+    # One master connection per host for all its reads. Given in ssh_extra_args, which testinfra
     # escapes, because its own `controlpath` option breaks on the % of %C.
     multiplex = ["ControlMaster=auto", f"ControlPersist={SSH_CONTROL_PERSIST_S}s",
                  f"ControlPath={os.path.join(_control_dir(), '%C')}"]
@@ -168,32 +179,12 @@ def _apply_limit(inventory, patterns: list[str]) -> list:
     return [host for host in inventory if host in chosen]
 
 
-def _pyinfra_cli():
-    """pyinfra's CLI package, for its inventory loader, imported WITHOUT the gevent monkey-patching
-    its import performs (the `pyinfra` command needs it; this process does not). Patched, os.close
-    hands directory and pipe fds to a gevent hub that never runs here, so every `shutil.rmtree`
-    leaks one fd per directory: the test session hit EMFILE at 1024 open files."""
-    if "pyinfra_cli" not in sys.modules:
-        from gevent import monkey
-
-        patch_all = monkey.patch_all
-        monkey.patch_all = lambda *args, **kwargs: None
-        try:
-            import pyinfra_cli  # noqa: F401
-        finally:
-            monkey.patch_all = patch_all
-    import pyinfra_cli.exceptions
-    import pyinfra_cli.inventory
-    import pyinfra_cli.util
-    return sys.modules["pyinfra_cli"]
-
-
 def load_inventory(path: str | Path, limit=None, override_data: dict | None = None) -> list:
     """The pyinfra hosts of an inventory file, with group data applied and --limit honoured."""
     from pyinfra.api import State
     from pyinfra.context import ctx_state
 
-    cli = _pyinfra_cli()
+    cli = import_pyinfra_cli()
     CliError, make_inventory = cli.exceptions.CliError, cli.inventory.make_inventory
 
     path = Path(path)
@@ -213,12 +204,12 @@ def load_inventory(path: str | Path, limit=None, override_data: dict | None = No
 
 
 class Unreachable(RuntimeError):
-    """A host's probes could not run (SSH failed, no sh, ...)."""
+    """A host's checks could not read it (SSH failed, no sh, ...)."""
 
 
 class Target:
-    """One host under verification: its expectations (`settings`), its testinfra host, and the
-    probe output of each group, read once."""
+    """One host under verification: its expectations (`settings`), its testinfra host, and what
+    its checks read of it (servestack/checks/readings.py), each group read once."""
 
     def __init__(self, name: str, settings: Settings, connect: Callable[[], Any], backend: str = ""):
         self.name = name
@@ -226,7 +217,7 @@ class Target:
         self.backend = backend
         self._connect = connect
         self._host = None
-        self._probe = checks.Probe(name)
+        self._readings = Readings(name)
         self._lock = threading.Lock()
         self._unreachable: str | None = None  # why the host could not be reached, once it was tried
 
@@ -240,47 +231,56 @@ class Target:
             self._host = self._connect()
         return self._host
 
-    def run_script(self, script: str) -> str:
-        """Run a probe script with sh on the host; its own failures are in its sections."""
-        result = self.host.run("sh -c %s", script)
+    def run_command(self, command: str) -> str:
+        """Run a command with sh on the host; its stdout (the facts it reads report their own failures)."""
+        result = self.host.run("sh -c %s", command)
         if not result.stdout.strip() and result.rc != 0:
-            raise RuntimeError(f"{self.name}: the probe could not run (exit {result.rc}): "
+            raise RuntimeError(f"{self.name}: the command could not run (exit {result.rc}): "
                                f"{result.stderr.strip()[-500:]}")
         return result.stdout
 
-    def probe(self, *groups: str) -> checks.Probe:
-        """The probe output of `groups`, running each missing group once.
+    def read(self, *groups: str) -> Readings:
+        """What the checks of `groups` read, reading the groups not read yet: in one command, but a
+        group another one needs (readings.NEEDS) goes in a command before.
 
-        Raises Unreachable when the host cannot be reached (tried once: later calls fail at once).
+        Raises Unreachable when the host cannot be read (tried once: later calls fail at once).
         """
+        with self._reading():
+            self._read_missing(groups)
+        return self._readings
+
+    def read_facts(self, wanted: list) -> list:
+        """The values of any facts (facts/batch.py `FactRequest`s), read now in one remote command
+        (or as few as fit). Raises Unreachable as `read` does."""
+        with self._reading():
+            return read_batch(self.run_command, wanted)
+
+    @contextmanager
+    def _reading(self):
+        """Reads one at a time; a host that could not be read once is not tried again."""
         with self._lock:
             if self._unreachable:
                 raise Unreachable(self._unreachable)
             try:
-                for group in groups:
-                    self._load(group)
+                yield
             except Exception as error:
                 self._unreachable = f"cannot run the probes on {self.name} ({self.backend}): {error}"
                 raise Unreachable(self._unreachable) from None
-        return self._probe
 
-    def _load(self, group: str) -> None:
-        if group in self._probe.loaded:
-            return
-        if group == "patches":
-            self._load("host")
-            script = checks.patches_script(self.settings, checks.patch_record_for(self._probe))
-        else:
-            script = checks.SCRIPTS[group](self.settings)
-        self._probe.sections.update(checks.parse_sections(self.run_script(script)))
-        self._probe.loaded.add(group)
+    def _read_missing(self, groups) -> None:
+        missing = [group for group in in_order(groups) if group not in self._readings.groups]
+        needed = in_order(need for group in missing for need in NEEDS.get(group, ())
+                          if need not in self._readings.groups)
+        for wave in (needed, [group for group in missing if group not in needed]):
+            if wave:
+                read_groups(self._readings, self.settings, wave, lambda wanted: read_batch(self.run_command, wanted))
 
-    def judge(self, name: str, *args) -> checks.Outcome:
-        """The outcome of one check of servestack/checks.py on this host."""
-        check = checks.CHECKS_BY_NAME[name]
-        return check.judge(self.settings, self.probe(*check.groups), *args)
+    def judge(self, name: str, *args) -> Outcome:
+        """The outcome of one check of servestack/checks/catalogue.py on this host."""
+        check = CHECKS_BY_NAME[name]
+        return check.outcome(self.settings, self.read(*check.groups), *args)
 
-    def check(self, name: str, *args) -> checks.Outcome:
+    def check(self, name: str, *args) -> Outcome:
         """Judge a check and report it to pytest: fail or skip with the check's own words."""
         import pytest
 
@@ -290,9 +290,9 @@ class Target:
             outcome = self.judge(name, *args)
         except Unreachable as error:
             pytest.fail(str(error), pytrace=False)
-        if outcome.status == checks.FAILED:
+        if outcome.status == FAILED:
             pytest.fail(outcome.detail, pytrace=False)
-        if outcome.status == checks.SKIPPED:
+        if outcome.status == SKIPPED:
             pytest.skip(outcome.detail)
         return outcome
 
@@ -301,8 +301,13 @@ def _settings(name: str, data: dict) -> Settings:
     return settings_from_data(name, data)
 
 
-def targets_from_inventory(path: str | Path, limit=None, override_data: dict | None = None) -> list[Target]:
-    """A Target per inventory host in the limit; every host's settings validated first."""
+def targets_from_inventory(path: str | Path, limit=None, override_data: dict | None = None, *,
+                           action: str = "verify", local: bool = True) -> list[Target]:
+    """A Target per inventory host in the limit; every host's settings validated first.
+
+    Every problem of every host is raised at once (ConfigError: "<path>: cannot <action>: ...").
+    `local=False` also refuses the hosts servestack does not target unless told to (this machine,
+    servestack/targets.py); placeholders of the example inventory are always refused."""
     hosts = load_inventory(path, limit, override_data)
     problems, targets = [], []
     for host in hosts:
@@ -311,6 +316,9 @@ def targets_from_inventory(path: str | Path, limit=None, override_data: dict | N
             problems.append(f"host {host.name}: '{address}' is a placeholder from the example inventory: "
                             "edit inventory.py")
             continue
+        if not local and (problem := target_problem(host)):
+            problems.append(f"host {host.name}: {problem}")
+            continue
         try:
             backend = backend_for(host)
             targets.append(Target(host.name, _settings(host.name, host.data.dict()), backend.connect,
@@ -318,7 +326,7 @@ def targets_from_inventory(path: str | Path, limit=None, override_data: dict | N
         except ConfigError as error:
             problems.append(str(error))
     if problems:
-        raise ConfigError(f"{path}: cannot verify:\n" + "\n".join(problems))
+        raise ConfigError(f"{path}: cannot {action}:\n" + "\n".join(problems))
     return targets
 
 
@@ -334,13 +342,13 @@ def targets_from_testinfra(hostspecs: list[str], data: dict | None = None, **opt
 
 
 def prefetch(plan: dict[Target, set[str]], workers: int = PREFETCH_WORKERS) -> None:
-    """Run each target's probe groups, hosts in parallel (a fleet takes about as long as one host).
+    """Read each target's groups, hosts in parallel (a fleet takes about as long as one host).
 
     Errors are left for the tests, which hit them again and report them per host.
     """
     def load(target: Target, groups: set[str]) -> None:
         try:
-            target.probe(*[group for group in checks.GROUPS if group in groups])
+            target.read(*groups)
         except Exception:
             pass
 
@@ -349,9 +357,25 @@ def prefetch(plan: dict[Target, set[str]], workers: int = PREFETCH_WORKERS) -> N
             future.result()
 
 
+def read_all(targets: list[Target], wanted: Callable[[Target], list], workers: int = PREFETCH_WORKERS) -> dict:
+    """{target name: the values of `wanted(target)`'s fact requests (`Target.read_facts`), or the
+    Unreachable saying why that host could not be read}, hosts read in parallel, in the targets' order."""
+    def load(target: Target):
+        try:
+            return target.read_facts(wanted(target))
+        except Unreachable as error:
+            return error
+
+    if not targets:
+        return {}
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(targets)))) as pool:
+        futures = {target.name: pool.submit(load, target) for target in targets}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def parse_host_data(items: Iterable[str]) -> dict:
     """KEY=VALUE overrides, parsed as pyinfra's --data parses them."""
-    parse_cli_arg = _pyinfra_cli().util.parse_cli_arg
+    parse_cli_arg = import_pyinfra_cli().util.parse_cli_arg
     data = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -375,11 +399,11 @@ class Results:
         if host not in self.hosts:
             self.hosts.append(host)
         row = self.cells.setdefault(check, {})
-        if row.get(host, ("",))[0] != checks.FAILED:  # a teardown report never hides a failure
+        if row.get(host, ("",))[0] != FAILED:  # a teardown report never hides a failure
             row[host] = (status, detail)
 
     def counts(self) -> dict[str, int]:
-        totals = {checks.PASSED: 0, checks.FAILED: 0, checks.SKIPPED: 0}
+        totals = {PASSED: 0, FAILED: 0, SKIPPED: 0}
         for row in self.cells.values():
             for status, _ in row.values():
                 totals[status] += 1
@@ -406,42 +430,60 @@ class ResultsCollector:
         if "servestack_check" not in properties:
             return
         if report.when == "call" or report.outcome != "passed":
-            status = {"passed": checks.PASSED, "failed": checks.FAILED, "skipped": checks.SKIPPED}[report.outcome]
-            detail = "" if status == checks.PASSED else _report_detail(report)
+            status = {"passed": PASSED, "failed": FAILED, "skipped": SKIPPED}[report.outcome]
+            detail = "" if status == PASSED else _report_detail(report)
             self.results.add(properties["servestack_check"], properties["servestack_host"], status, detail)
 
 
-def _catalogue_order(check: str) -> tuple[int, str]:
-    """Rows in the order of servestack/checks.py's catalogue (GPU, toolkit, release, service)."""
-    names = [check.name for check in checks.CHECKS]
-    base = check.partition("[")[0]
-    return (names.index(base) if base in names else len(names), check)
+def _catalogue_order(check: str) -> int:
+    """Rows in the order of servestack/checks/catalogue.py (GPU, toolkit, release, service); a
+    check's rows per subject (package_version[torch], ...) in the order they ran (the manifest's)."""
+    names = [known.name for known in CHECKS]
+    base = base_name(check)
+    return names.index(base) if base in names else len(names)
 
 
-_CELLS = {checks.PASSED: "[green]pass[/]", checks.FAILED: "[bold red]FAIL[/]", checks.SKIPPED: "[yellow]skip[/]"}
+_CELLS = {PASSED: ("pass", "green"), FAILED: ("FAIL", "bold red"), SKIPPED: ("skip", "yellow")}
+_STATUS_STYLES = {FAILED: "red", SKIPPED: "yellow"}
+
+
+def report_console(file=None, **options):
+    """The Console a report prints on: the terminal's width on a terminal; otherwise (CI logs,
+    pipes, files) UNCUT_WIDTH, so that every table cell and every reason is printed whole, each
+    reason on one line."""
+    from rich.console import Console
+
+    console = Console(file=file, **options)
+    if console.is_terminal:
+        return console
+    return Console(file=file, width=UNCUT_WIDTH, **options)
 
 
 def render(results: Results, console) -> None:
-    """The table (a row per check, a column per host), then every failure and skip with its reason."""
-    from rich.table import Table
+    """The table (a row per check, named with its subject: `package_version[torch]`; a column per
+    host), then every failure and skip with its whole reason, then the totals.
 
-    table = Table(title="servestack verify", show_lines=False)
-    table.add_column("check", no_wrap=True)
-    for host in results.hosts:
-        table.add_column(host, justify="center")
+    Names and reasons are printed as text, never as rich markup (`[torch]` is not a style)."""
+    from rich.table import Table
+    from rich.text import Text
+
     rows = sorted(results.cells.items(), key=lambda item: _catalogue_order(item[0]))
-    for check, row in rows:
-        table.add_row(check, *[_CELLS[row[host][0]] if host in row else "" for host in results.hosts])
-    console.print(table)
+    if rows:
+        table = Table(title="servestack verify", show_lines=False)
+        table.add_column("check", overflow="fold")
+        for host in results.hosts:
+            table.add_column(Text(host), justify="center", overflow="fold")
+        for check, row in rows:
+            table.add_row(Text(check), *[Text(*_CELLS[row[host][0]]) if host in row else Text("")
+                                         for host in results.hosts])
+        console.print(table)
     for check, row in rows:
         for host, (status, detail) in row.items():
-            if status != checks.PASSED:
-                colour = "red" if status == checks.FAILED else "yellow"
-                console.print(f"[{colour}]{status}[/] {host} {check}: ", end="")
-                console.print(detail, markup=False, highlight=False)
+            if status != PASSED:
+                console.print(Text.assemble((status, _STATUS_STYLES[status]), f" {host} {check}: ", detail))
     totals = results.counts()
-    console.print(f"{totals[checks.PASSED]} passed, {totals[checks.FAILED]} failed, "
-                  f"{totals[checks.SKIPPED]} skipped on {len(results.hosts)} host(s)")
+    console.print(Text(f"{totals[PASSED]} passed, {totals[FAILED]} failed, {totals[SKIPPED]} skipped on "
+                       f"{len(results.hosts)} host(s)" + ("" if rows else ": no check ran")))
 
 
 def verify_main(inventory: str, limit: str | None = None, junit: str | None = None,
@@ -451,7 +493,6 @@ def verify_main(inventory: str, limit: str | None = None, junit: str | None = No
     Returns pytest's exit status (0: every check passed or was skipped with its reason).
     """
     import pytest
-    from rich.console import Console
 
     load_inventory(inventory, limit)  # bad input fails here, with servestack's message
     args = [str(VERIFY_TESTS), "--inventory", str(inventory), "-q", "--tb=no", "-rN", "-p", "no:cacheprovider",
@@ -461,6 +502,5 @@ def verify_main(inventory: str, limit: str | None = None, junit: str | None = No
         args.append(f"--junitxml={junit}")
     collector = ResultsCollector()
     status = pytest.main(args + list(extra_args), plugins=[collector])
-    if collector.results.cells:
-        render(collector.results, Console())
+    render(collector.results, report_console())
     return int(status)

@@ -5,8 +5,7 @@ The control machine (operations/venv.py) sends this file over SSH as
 it from facts; this file does the mechanical part on the host, where renames are atomic and JSON
 records are written safely:
 
-    state     print one JSON object describing the environment (the fact; changes nothing), with
-              its memo when asked (the fact's shell answers from a kept memo while it holds)
+    state     print one JSON object describing the environment (the fact; changes nothing)
     backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
     build     build one release beside the active one: venv, lock, ordered install, checks
     activate  adopt a hand-made venv if needed, then point venv_path at a release (rename(2))
@@ -189,16 +188,14 @@ def python_version(sys_version):
 
 
 def command_state(params):
-    """The environment's state; with params["memo"] (sent without packages) also its memo (below)."""
-    import time
-    started_ns = time.time_ns()
+    """The environment's state (with the active environment's packages unless params["packages"] is false)."""
     venv_path, releases_dir, state_dir = params["venv_path"], params["releases_dir"], params["state_dir"]
     where = venv_path_state(venv_path, releases_dir)
     packages = params.get("packages", True)
     active = env_packages(venv_path) if packages and where["kind"] in ("venv", "link") else None
     names = backups(state_dir)
     latest = read_json(os.path.join(state_dir, "backups", names[-1])) if names else None
-    state = {
+    return {
         "python": {"version": python_version(sys.version), "executable": sys.executable},
         "machine": os.uname().machine,  # what platform.machine() reports
         "venv_path": where,
@@ -209,62 +206,6 @@ def command_state(params):
         "latest_backup": latest,
         "uv": uv_version(params["uv"]),
     }
-    if params.get("memo") and not packages:  # the packages come from running the venv's python
-        state["memo"] = state_memo(state, params, started_ns)
-    return state
-
-
-# --- the state's memo --------------------------------------------------------------------------
-# Without the packages, the state of a converged host is the same on every converge; it depends on
-# what the control machine sent (the digest of this script and the params) and on the paths below.
-# servestack/memo.py (its source comes in params["memo"]["lib"]) writes them with their stat
-# under params["memo"]["header"] (which carries that digest) and above the answer; the venv
-# operations keep that memo in the state dir, and the fact's shell answers from it while `stat`
-# shows every path unchanged (facts/venv.py).
-
-
-def state_inputs(state, params):
-    """Every path the state (without packages) was read from, in a stable order."""
-    venv_path, releases_dir, state_dir = params["venv_path"], params["releases_dir"], params["state_dir"]
-    inputs = path_searched(params["memo"].get("python"), sys.executable) + [sys.executable]
-    # venv_path's directory: a link re-pointed or a venv moved in or out changes it (rename, unlink);
-    # venv_path itself, followed (stat -L), and what is behind it.
-    inputs += [os.path.dirname(os.path.normpath(venv_path)), venv_path]
-    if state["venv_path"]["realpath"]:
-        inputs.append(os.path.join(state["venv_path"]["realpath"], "pyvenv.cfg"))
-    inputs.append(releases_dir)  # a release added, removed or replaced
-    # Each release's record and venv; not its directory, whose entries are not read (the patches
-    # operation keeps its own memo there).
-    for name in state["releases"]:
-        inputs += [os.path.join(releases_dir, name, RECORD), os.path.join(releases_dir, name, "venv", "pyvenv.cfg")]
-    inputs += [os.path.join(state_dir, HISTORY), os.path.join(state_dir, "backups")]
-    if state["backups"]:
-        inputs.append(os.path.join(state_dir, "backups", state["backups"][-1]))
-    inputs.append(params["uv"])
-    return list(dict.fromkeys(inputs))
-
-
-def path_searched(python, executable):
-    """The PATH directories the shell searched for `python` (a bare name) up to the one it found
-    `executable` in (all of them if none): a `python` placed in one of them would run instead."""
-    if not python or "/" in python:
-        return []
-    searched = []
-    for entry in os.environ.get("PATH", "").split(os.pathsep):
-        searched.append(entry or ".")
-        if os.path.abspath(entry or ".") == os.path.dirname(executable):
-            break
-    return searched
-
-
-def state_memo(state, params, started_ns):
-    """The memo of `state` (servestack/memo.py `text`), or None."""
-    if not sys.executable:  # the interpreter's path is unknown
-        return None
-    inputs = state_inputs(state, params)
-    memo = type(sys)("servestack_memo")
-    exec(compile(params["memo"]["lib"], "servestack/memo.py", "exec"), memo.__dict__)
-    return memo.text(params["memo"]["header"], state, inputs, started_ns)
 
 
 # --- backup ------------------------------------------------------------------------------------
@@ -515,11 +456,33 @@ def build(params, log):
     return listed
 
 
+def build_guard(directory):
+    """Hold `<release dir>.build-guard` (flock) for this process: a release directory is written by
+    one build at a time. Another build holding it is named in the failure (pid, run, since)."""
+    import fcntl
+    path = directory.rstrip("/") + ".build-guard"
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        raise Failure("release %s is being built by another process (%s): not building it twice"
+                      % (os.path.basename(directory), holder)) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write("pid %d since %s\n" % (os.getpid(), utc_stamp()))
+    handle.flush()
+    return handle
+
+
 def command_build(params):
     import hashlib
     import shutil
     import time
     directory = params["release_dir"]
+    guard = build_guard(directory)  # noqa: F841 (held until this process exits)
     record_path = os.path.join(directory, RECORD)
     record = read_json(record_path, {}) or {}
     if record.get("status") == "ok" and os.path.isfile(os.path.join(directory, "venv", "pyvenv.cfg")):

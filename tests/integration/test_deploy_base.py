@@ -7,16 +7,25 @@ from pyinfra_run import apply, dry_run, run_pyinfra
 pytestmark = pytest.mark.integration
 
 
-def test_empty_deploy_dry_run_then_converges_twice_with_zero_changes_the_second_time(lab):
+PREFLIGHT_ONLY = "tests/integration/deploys/preflight.py"
+
+
+def test_preflight_alone_changes_nothing_and_its_lock_take_makes_the_state_directory(lab):
+    """The state directory holds the lock: the take makes it (bookkeeping, like the lock itself), so a
+    dry run makes nothing and a real run reports no change, then or later."""
     the_lab = lab(2)
     before = the_lab.fingerprints()
-    dry = dry_run(the_lab, "operations.base.servestack_base")
+    dry = dry_run(the_lab, PREFLIGHT_ONLY)
     assert the_lab.fingerprints() == before, "a dry run changed a host"
-    assert "servestack state directory" in dry.output
-    first = apply(the_lab, "operations.base.servestack_base")
-    assert first.totals["success"] >= 1
-    second = apply(the_lab, "operations.base.servestack_base")
-    assert second.totals["success"] == 0 and second.totals["error"] == 0
+    assert "host lock and preflight checks" in dry.output
+    assert the_lab.exec(the_lab.hosts[0], "test -d /var/lib/servestack").returncode != 0
+    for _ in range(2):
+        run = apply(the_lab, PREFLIGHT_ONLY)
+        assert run.totals["success"] == 0 and run.totals["error"] == 0
+    for host in the_lab.hosts:
+        mode = the_lab.exec(host, "stat -c '%a %U' /var/lib/servestack; test ! -e /var/lib/servestack/lock",
+                            check=True).stdout.split()
+        assert mode == ["755", "root"]
 
 
 def test_bad_host_data_is_refused_before_connecting(lab):

@@ -36,7 +36,7 @@ def test_rollback_refuses_when_there_is_nothing_to_roll_back_to(lab):
     host = lab.sandbox.hosts[0]
     result, _ = lab.pyinfra(ROLLBACK)
     assert result.returncode != 0
-    assert "servestack: nothing to roll back to" in result.stdout + result.stderr
+    assert "refused: nothing to roll back to" in result.stdout + result.stderr
     assert link(lab, host) == "not-a-link" and torch_of(lab, host).endswith("+cu128 12.8")
 
 

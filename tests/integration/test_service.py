@@ -4,7 +4,7 @@ Sandbox hosts cannot run SGLang: each test builds small releases by hand (a venv
 under the releases dir, as the venv step lays them out) holding the stand-in server
 `servestack/sandbox/standins/fake_sglang_server.py`, and sets `service_launch_module` to it. A release is made
 broken by a mode file in its venv, which the stand-in reads. The deploy run is the service step
-alone (`base` + `service.sglang_service()`), as deploy.py calls it.
+alone (`service.sglang_service(release)`, as deploy.py calls it), given the release the test activated.
 """
 
 from __future__ import annotations
@@ -37,14 +37,21 @@ DEPLOY = """\
 from pyinfra import host
 from pyinfra.operations import server
 
-from operations import base, service
+from facts.service import VenvTarget, release_id_of
+from operations import service
+from servestack import reads
+from servestack.settings import host_settings
 
-base.servestack_base()
+settings = host_settings(host)
 if host.data.get("test_activate_during_deploy"):
     # Stand-in for venv.activate() on a first deploy: adopt the hand-made venv, switch to the new release.
     server.shell(name="adopt and activate (test stand-in for the venv step)",
                  commands=[host.data.get("test_activate_during_deploy")])
-service.sglang_service()
+    release_id = host.data.get("test_release")
+else:  # the release the test activated, as the venv step would have
+    target = reads.fact(host, VenvTarget, path=settings.venv_path).get("target")
+    release_id = release_id_of(target, settings.venv_releases_dir)
+service.sglang_service(service.release(settings, release_id))
 """
 
 integration = pytest.mark.integration
@@ -303,7 +310,8 @@ def test_first_deploy_over_a_hand_made_service_rolls_back_to_it(service_lab):
     activate = (f"mkdir -p {RELEASES}/{adopted} && mv /opt/ml-env {RELEASES}/{adopted}/venv && "
                 f"ln -sfn {RELEASES}/r-00000000000b/venv /opt/ml-env")
 
-    run = svc.converge({"service_health_timeout_s": 5, "test_activate_during_deploy": activate}, "-y")
+    run = svc.converge({"service_health_timeout_s": 5, "test_activate_during_deploy": activate,
+                        "test_release": "r-00000000000b"}, "-y")
     assert run.rc != 0
     assert f"failed: no HTTP 200 from GET /health within 5 s" in run.log, run.log
     assert f"rolled back to release {adopted}, which is healthy and answering again" in run.log, run.log
@@ -371,8 +379,8 @@ def test_rolling_restart_keeps_two_of_three_hosts_answering(service_lab):
 
 def rollout_order(log: str) -> list[tuple[str, str]]:
     """(host, what happened) per host, in the order the restart operation reached them."""
-    pattern = r"\[(h\d)\] (restarting|servestack: sglang.service not restarted)"
-    return [(name, "stopped" if what.startswith("servestack") else "restarted")
+    pattern = r"\[(h\d)\] (restarting|refused: sglang.service not restarted)"
+    return [(name, "stopped" if what.startswith("refused") else "restarted")
             for name, what in re.findall(pattern, log)]
 
 

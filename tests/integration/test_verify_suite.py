@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from servestack import checks
+from servestack.checks.outcome import FAILED, PASSED, SKIPPED
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -51,8 +51,8 @@ def junit_outcomes(path: Path) -> dict:
     outcomes = {}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         properties = {p.get("name"): p.get("value") for p in case.iter("property")}
-        status, message = checks.PASSED, ""
-        for tag, name in (("failure", checks.FAILED), ("error", checks.FAILED), ("skipped", checks.SKIPPED)):
+        status, message = PASSED, ""
+        for tag, name in (("failure", FAILED), ("error", FAILED), ("skipped", SKIPPED)):
             element = case.find(tag)
             if element is not None:
                 status, message = name, element.get("message", "").removeprefix("Failed: ").removeprefix("Skipped: ")
@@ -85,14 +85,14 @@ def test_before_the_upgrade_the_suite_fails_the_old_stack_over_ssh(lab, tmp_path
     assert run.returncode == 1, run.output[-3000:]
     for host in (first, second):
         # the stand-in driver answers: GPU checks run (and pass against the fleet's expectations)
-        assert {"driver_version", "gpu_capability", "gpu_count"} <= run.of_host(host, checks.PASSED)
+        assert {"driver_version", "gpu_capability", "gpu_count"} <= run.of_host(host, PASSED)
         assert run.message(host, "nvcc_version") == f"/usr/local/cuda-13.0 does not exist on {host}"
         # the hand-made ml-env holds the CUDA 12.8 build: the local label tells it apart
         assert run.message(host, "package_version[torch]").endswith(f"on {host}, expected 2.9.1+cu130")
         assert "+cu128" in run.message(host, "package_version[torch]")
         assert run.message(host, "torch_cuda_build").endswith("is built for CUDA 12.8, expected 13.0")
         assert run.message(host, "cuda_sample") == NEEDS_A_GPU["cuda_sample"].format(host=host)
-        assert run.status(host, "service_active") == checks.FAILED
+        assert run.status(host, "service_active") == FAILED
 
 
 def test_limit_and_the_table(lab, tmp_path):
@@ -132,26 +132,36 @@ EXPECTED_FAILURE = {"torch_label": "package_version[torch]", "patched_file": "pa
 CONVERGE = """\
 import shlex
 
+from pyinfra import host
 from pyinfra.operations import server
 
-from operations import base, patches, preflight, service, toolkit, venv, verify
+from operations import patches, preflight, service, toolkit, venv, verify
+from servestack.settings import host_settings
 
 STANDIN = shlex.quote(open({standin!r}).read())
 
-base.servestack_base()
-if preflight.preflight():
-    venv.backup()
-    toolkit.cuda_toolkit()
-    venv.build()
-    release = venv.planned_release()
-    patches.sglang_patches(name="SGLang patches", python=release.python, record_path=f"{{release.dir}}/patches.json")
-    server.shell(name="test only: the stand-in SGLang server in the release", commands=[
-        f"d=$({{release.python}} -c 'import sysconfig; print(sysconfig.get_paths()[\\"purelib\\"])') && "
-        f"printf '%s' {{STANDIN}} > $d/fake_sglang_server.py"])
-    venv.activate()
-    service.sglang_service()
-    verify.verify()
-    preflight.release_lock()
+
+def host_reads(settings, release=None):
+    return [request for step in (preflight, toolkit, venv, patches, service, verify)
+            for request in step.host_reads(settings, release)]
+
+
+settings = host_settings(host)
+if preflight.preflight(reads=host_reads(settings)):
+    release = venv.plan()
+    if release is not None:
+        preflight.lock(reads=host_reads(settings, release))
+        venv.backup(release)
+        toolkit.cuda_toolkit()
+        venv.build(release)
+        patches.patches(release)
+        server.shell(name="test only: the stand-in SGLang server in the release", commands=[
+            f"d=$({{release.python}} -c 'import sysconfig; print(sysconfig.get_paths()[\\"purelib\\"])') && "
+            f"printf '%s' {{STANDIN}} > $d/fake_sglang_server.py"])
+        venv.activate(release)
+        service.sglang_service(release)
+        verify.verify(release)
+        preflight.release_lock()
 """
 LAB_DATA = {"service_launch_module": "fake_sglang_server", "service_health_timeout_s": 120}
 
@@ -182,8 +192,8 @@ def converged(lab, tmp_path_factory):
 
 def test_a_converged_host_passes_every_check_that_needs_no_gpu(converged):
     _, good, _, run, _ = converged
-    assert run.of_host(good, checks.FAILED) == set(), run.output[-4000:]
-    skipped = run.of_host(good, checks.SKIPPED)
+    assert run.of_host(good, FAILED) == set(), run.output[-4000:]
+    skipped = run.of_host(good, SKIPPED)
     assert skipped == set(NEEDS_A_GPU)
     for check in skipped:  # skipped with the fact that says why, never silently passed
         assert run.message(good, check).endswith(NEEDS_A_GPU[check].format(host=good))
@@ -193,15 +203,15 @@ def test_a_converged_host_passes_every_check_that_needs_no_gpu(converged):
 def test_each_broken_host_fails_the_matching_check(converged, name):
     _, _, breaks, run, _ = converged
     host = breaks[name]
-    assert run.status(host, EXPECTED_FAILURE[name]) == checks.FAILED, run.output[-4000:]
+    assert run.status(host, EXPECTED_FAILURE[name]) == FAILED, run.output[-4000:]
 
 
 def test_the_breaks_fail_only_what_they_touch(converged):
     _, _, breaks, run, _ = converged
-    assert run.of_host(breaks["torch_label"], checks.FAILED) == {"package_version[torch]"}
-    assert run.of_host(breaks["patched_file"], checks.FAILED) == {"patches_applied"}
-    assert run.of_host(breaks["cuda_128"], checks.FAILED) == {"kept_toolkits"}
-    assert "service_active" in run.of_host(breaks["service"], checks.FAILED)
+    assert run.of_host(breaks["torch_label"], FAILED) == {"package_version[torch]"}
+    assert run.of_host(breaks["patched_file"], FAILED) == {"patches_applied"}
+    assert run.of_host(breaks["cuda_128"], FAILED) == {"kept_toolkits"}
+    assert "service_active" in run.of_host(breaks["service"], FAILED)
     assert "must be enabled and active" in run.message(breaks["service"], "service_active")
 
 

@@ -171,3 +171,25 @@ def test_gpu_count_must_match():
 def test_no_gpu_visible_is_refused():
     check = check_gpus(settings(), parse_gpu_output(["smi_exit 6", "smi No devices were found"]))
     assert check.status == "fail" and "no GPU visible" in check.detail
+
+
+def test_preflight_and_the_verify_checks_judge_the_gpus_alike():
+    """One judgement (servestack/checks/gpus.py): the same GPUs differ for both, each named."""
+    from dataclasses import replace
+
+    from servestack.checks.catalogue import CHECKS_BY_NAME
+    from servestack.checks.readings import Readings
+
+    [h200] = h200_report().gpus
+    report = GpuReport(gpus=(h200, replace(h200, index=1, compute_cap="12.0", bus_id="00000000:00:07.0")),
+                       driver_version=h200.driver_version)
+    wanted = settings(gpu_count=2, gpu_compute_capability="12.0")
+    preflight = check_compute_capability(wanted, report)
+    verify = CHECKS_BY_NAME["gpu_capability"].outcome(wanted, Readings("gpu-host", gpu=report))
+    assert preflight.status == "fail" and verify.status == "failed"
+    assert "GPU 0 (NVIDIA H200, 00000000:00:06.0) is 9.0" in preflight.detail and "GPU 1" not in preflight.detail
+    assert "GPU 0 (NVIDIA H200, 00000000:00:06.0) reports 9.0" in verify.detail and "GPU 1" not in verify.detail
+    assert check_gpus(settings(gpu_count=1), report).status == "fail"
+    one = settings(gpu_count=1)
+    assert CHECKS_BY_NAME["gpu_count"].outcome(one, Readings("gpu-host", gpu=report)).status == "failed"
+

@@ -1,41 +1,237 @@
-"""Bookkeeping writes (servestack/hostrun.py `keep`): they ride with the lock's release when this run
-holds the lock, and run at once when it does not."""
+"""servestack/hostrun.py: one run as the hosts see it -- refusing a host, writing records, the run's
+id, releasing the lock of a host that fails -- on real pyinfra States of @fake hosts."""
 
 from __future__ import annotations
 
-import subprocess
+import logging
+import re
 
-from pyinfra.api import Config, Inventory, State
+import pytest
+from pyinfra import host
+from pyinfra.api import Config, FunctionCommand, Inventory, State, operation
 from pyinfra.api.connect import connect_all
+from pyinfra.api.host import Host
+from pyinfra.api.operation import add_op
+from pyinfra.api.operations import run_ops
+from pyinfra.connectors.fake import FakeConnector
+from pyinfra.context import ctx_host
 
-from facts.host import release_lock_command
 from servestack import hostrun
 
 
-def fake_host():
-    inventory = Inventory((["@fake/gpu1"], {"fake_delay": 0, "fake_delay_jitter": 0}))
-    state = State(inventory, Config())
+def two_hosts(responses: dict | None = None, config: Config | None = None, **options):
+    """A connected State of @fake/gpu1 and @fake/gpu2 (a host may fail and the run go on)."""
+    data = {"fake_delay": 0, "fake_delay_jitter": 0, "fake_responses": responses or {}}
+    inventory = Inventory((["@fake/gpu1", "@fake/gpu2"], data))
+    state = State(inventory, config or Config(), **options)
     connect_all(state)
-    return inventory.get_host("@fake/gpu1")
+    return state, inventory.get_host("@fake/gpu1"), inventory.get_host("@fake/gpu2")
 
 
-def test_while_the_run_holds_the_lock_bookkeeping_rides_with_its_release(tmp_path):
-    host = fake_host()
-    hostrun.release_lock_on_failure(host, str(tmp_path / "state"))
-    hostrun.keep(host, f"echo one > {tmp_path / 'one'}", "the first record")
-    hostrun.keep(host, "exit 7", "a record that cannot be written")
-    assert host.connector.executed_commands == []  # no round trip of its own
-
-    release = release_lock_command(str(tmp_path / "state"), "run-1")
-    command, whats = hostrun.kept_with_release(host, release)
-    assert command.endswith(release) and whats == ["the first record", "a record that cannot be written"]
-    result = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
-    assert (tmp_path / "one").read_text() == "one\n"
-    assert result.stdout.splitlines() == [f"{hostrun.KEPT_FAILED} 1", "not-ours"]  # released all the same
-    assert hostrun.kept_with_release(host, release) == (release, [])  # written once
+@pytest.fixture
+def logs(caplog):
+    caplog.set_level(logging.DEBUG, logger="pyinfra")
+    return caplog
 
 
-def test_without_the_lock_bookkeeping_runs_at_once():
-    host = fake_host()
-    hostrun.keep(host, "echo record", "a record")
-    assert host.connector.executed_commands == ["echo record"]
+@operation()
+def refusing(problems: list):
+    """What every servestack operation does to refuse a host."""
+    yield from hostrun.refuse(host, problems)
+    return
+
+
+@operation()
+def then_runs():
+    yield "echo after"
+
+
+# --- refuse / refuse_now -------------------------------------------------------------------------
+
+
+def test_refuse_at_prepare_fails_the_host_now(logs):
+    state, gpu1, gpu2 = two_hosts()
+    add_op(state, refusing, problems=["driver too old", "no disk"], host=gpu1)
+    assert state.failed_hosts == {gpu1}            # before anything executes
+    assert logs.text.count("refused: driver too old") == 1 and logs.text.count("refused: no disk") == 1
+    add_op(state, then_runs)
+    run_ops(state)
+    assert "echo after" not in gpu1.connector.executed_commands
+    assert "echo after" in gpu2.connector.executed_commands
+    assert logs.text.count("refused: driver too old") == 1
+
+
+def test_refuse_at_execute_yields_a_command_that_fails_the_host(logs):
+    """Under `pyinfra -y` an operation's body first runs at execute: the refusal is a command."""
+    state, gpu1, gpu2 = two_hosts(check_for_changes=False)
+    op = add_op(state, refusing, problems=["the lock is held"], host=gpu1)[gpu1]
+    add_op(state, then_runs)
+    assert state.failed_hosts == set() and "refused" not in logs.text
+    run_ops(state)
+    assert state.failed_hosts == {gpu1}
+    assert op.did_error()
+    assert logs.text.count("refused: the lock is held") == 1
+    assert "echo after" not in gpu1.connector.executed_commands
+    assert "echo after" in gpu2.connector.executed_commands
+
+
+def test_at_execute_refuse_is_one_function_command_that_fails_when_run(logs):
+    state, gpu1, _ = two_hosts()
+    state.is_executing = True
+    commands = list(hostrun.refuse(gpu1, ["a", "b"]))
+    assert len(commands) == 1 and isinstance(commands[0], FunctionCommand)
+    assert state.failed_hosts == set() and "refused" not in logs.text
+    assert commands[0].execute(state, gpu1, {}) is False    # pyinfra fails the operation, so the host
+    assert "refused: a" in logs.text and "refused: b" in logs.text
+
+
+def test_refuse_now_from_a_deploy_function_fails_the_real_host(logs):
+    state, gpu1, gpu2 = two_hosts()
+    with ctx_host.use(gpu1):
+        assert not hostrun.host_refused(host)
+        hostrun.refuse_now(host, ["bad host data"])      # the context proxy, as deploy code has it
+        assert hostrun.host_refused(host)
+    assert state.failed_hosts == {gpu1} and not hostrun.host_refused(gpu2)
+    assert "refused: bad host data" in logs.text
+
+
+# --- write_record / run_remote --------------------------------------------------------------------
+
+
+def test_write_record_runs_now():
+    state, gpu1, _ = two_hosts()
+    assert hostrun.write_record(gpu1, "echo record > /var/lib/servestack/seen", "the record")
+    assert gpu1.connector.executed_commands == ["echo record > /var/lib/servestack/seen"]
+
+
+def test_a_record_that_cannot_be_written_is_a_warning_naming_it(logs):
+    state, gpu1, _ = two_hosts({"write-it": {"success": False, "stderr": "No space left on device"}})
+    assert not hostrun.write_record(gpu1, "write-it", "the verification record")
+    warnings = [record.getMessage() for record in logs.records if record.levelno == logging.WARNING]
+    assert any("could not write the verification record: No space left on device" in line for line in warnings)
+    assert state.failed_hosts == set()        # bookkeeping: the host goes on
+
+
+def test_run_remote_uses_the_current_operations_connection_arguments(monkeypatch):
+    seen: list = []
+    run = FakeConnector.run_shell_command
+
+    def recording(self, command, *args, **arguments):
+        seen.append((str(command), arguments.get("_sudo"), arguments.get("_sudo_user")))
+        return run(self, command, *args, **arguments)
+
+    monkeypatch.setattr(FakeConnector, "run_shell_command", recording)
+
+    @operation()
+    def records():
+        if host.state.is_executing:
+            hostrun.run_remote(host, "echo inside")
+        yield "echo done"
+
+    state, gpu1, _ = two_hosts({"echo outside": ["out"]})
+    assert hostrun.run_remote(gpu1, "echo outside") == (True, ["out"], [])
+    add_op(state, records, _sudo=True, _sudo_user="svc", host=gpu1)
+    run_ops(state)
+    assert ("echo outside", False, None) in seen
+    assert ("echo inside", True, "svc") in seen
+    assert hostrun.run_remote(gpu1, "echo extra", _sudo=True) == (True, [], [])
+    assert seen[-1] == ("echo extra", True, None)
+
+
+# --- releasing the lock of a host that fails --------------------------------------------------------
+
+
+@operation()
+def fails():
+    yield "broken-step"
+
+
+def test_a_host_that_fails_releases_this_runs_lock(logs):
+    state, gpu1, gpu2 = two_hosts({"broken-step": {"success": False}, "release-lock": ["released"]})
+    hostrun.release_lock_on_failure(gpu1, "release-lock run-1")
+    hostrun.release_lock_on_failure(gpu1, "release-lock run-1")     # the callback is added once
+    add_op(state, fails, host=gpu1)
+    run_ops(state)
+    assert gpu1 in state.failed_hosts
+    assert gpu1.connector.executed_commands[-1] == "release-lock run-1"
+    assert gpu1.connector.executed_commands.count("release-lock run-1") == 1
+    assert "released the servestack lock after the failure" in logs.text
+    assert sum(type(handler).__name__ == "_ReleaseLockOnFailure" for handler in state.callback_handlers) == 1
+
+
+def test_a_lock_released_by_the_run_is_not_released_again():
+    state, gpu1, _ = two_hosts({"broken-step": {"success": False}})
+    hostrun.release_lock_on_failure(gpu1, "release-lock run-1")
+    hostrun.lock_released(gpu1)
+    add_op(state, fails, host=gpu1)
+    run_ops(state)
+    assert gpu1 in state.failed_hosts and "release-lock run-1" not in gpu1.connector.executed_commands
+
+
+def test_an_ignored_error_keeps_the_lock():
+    state, gpu1, _ = two_hosts({"broken-step": {"success": False}})
+    hostrun.release_lock_on_failure(gpu1, "release-lock run-1")
+    add_op(state, fails, _ignore_errors=True, host=gpu1)
+    run_ops(state)
+    assert gpu1 not in state.failed_hosts and "release-lock run-1" not in gpu1.connector.executed_commands
+
+
+def test_a_release_that_cannot_run_is_logged_and_left_stale(logs, monkeypatch):
+    state, gpu1, _ = two_hosts({"broken-step": {"success": False}})
+    hostrun.release_lock_on_failure(gpu1, "release-lock run-1")
+
+    def connection_gone(target, command):
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(hostrun, "run_remote", connection_gone)
+    add_op(state, fails, host=gpu1)
+    run_ops(state)
+    assert "could not release the servestack lock (connection reset)" in logs.text
+
+
+def test_only_the_failing_host_releases_its_lock():
+    state, gpu1, gpu2 = two_hosts({"broken-step": {"success": False}})
+    hostrun.release_lock_on_failure(gpu1, "release-lock gpu1")
+    hostrun.release_lock_on_failure(gpu2, "release-lock gpu2")
+    add_op(state, fails, host=gpu1)
+    run_ops(state)
+    assert "release-lock gpu1" in gpu1.connector.executed_commands
+    assert "release-lock gpu2" not in gpu2.connector.executed_commands
+
+
+# --- the run's id, hosts, what --diff shows ---------------------------------------------------------
+
+
+def test_one_run_id_per_state():
+    state, _, _ = two_hosts()
+    other, _, _ = two_hosts()
+    assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{8}", hostrun.run_id(state))
+    assert hostrun.run_id(state) == hostrun.run_id(state) != hostrun.run_id(other)
+    assert re.fullmatch(r"\d{8}T\d{6}Z", hostrun.run_started(state))
+    assert hostrun.run_id(state).startswith(hostrun.run_started(state)[:8])
+    assert re.fullmatch(r"\d{8}T\d{6}Z", hostrun.utc_stamp())
+
+
+def test_real_host_is_the_inventorys_host_behind_the_context_proxy():
+    state, gpu1, _ = two_hosts()
+    with ctx_host.use(gpu1):
+        assert host is not gpu1 and type(host) is not Host    # pyinfra's context proxy
+        assert hostrun.real_host(host) is gpu1
+    assert hostrun.real_host(gpu1) is gpu1
+
+
+def test_plan_and_noop_lines_show_with_diff(logs):
+    config = Config()
+    config.DIFF = True
+    state, gpu1, _ = two_hosts(config=config)
+    state.print_noop_info = False
+    hostrun.plan(gpu1, "download 4.3 GB")
+    hostrun.noop(gpu1, "toolkit in place")
+    assert "download 4.3 GB" in logs.text and "no change: toolkit in place" in logs.text
+
+    logs.clear()
+    quiet, other, _ = two_hosts()
+    hostrun.plan(other, "download 4.3 GB")
+    hostrun.noop(other, "toolkit in place")
+    assert "download 4.3 GB" not in logs.text and "no change:" not in logs.text
+    assert "noop: toolkit in place" in logs.text   # pyinfra's own noop line (debug when not shown)

@@ -15,26 +15,28 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
-import time
 import venv
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from pyinfra.api import Config, OperationError, State, StringCommand
+from pyinfra.api import Config, State, StringCommand
+from pyinfra.api.exceptions import PyinfraError
 from pyinfra.api.deploy import add_deploy
 from pyinfra.api.operation import add_op
 from pyinfra.api.operations import run_ops
 from pyinfra.connectors.util import make_unix_command
 
-from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, memo_path, memo_write_command, remote_command
+from facts.patches import PATCH_ROOT, SCRIPT, SUMS_HOLD, PatchStates, load_patch_sets, remote_command, set_digests
 from operations.patches import patches as patches_deploy
 from operations.patches import sglang_patches
-from servestack import memo, patchlib
+from servestack import patchlib
+from servestack.scripts import script_command
 from servestack.sandbox.rootfs import cache_dir
 from tests.unit.fake_host import fake_state, run_here
 
@@ -360,7 +362,7 @@ def make_state(data: dict, diff: bool = False) -> State:
 def run_locally(monkeypatch, tmp_path):
     """The @fake connector, but servestack's patch commands aimed at tmp_path really run."""
     def ours(command: str) -> bool:
-        patches = "# servestack patches:" in command or ".memo" in command  # the check, apply, the memo
+        patches = "# servestack patches:" in command or ".sha256" in command  # the check, apply, the sums
         return patches and str(tmp_path) in command
 
     run_here(monkeypatch, ours, sh)
@@ -394,14 +396,17 @@ def test_operation_applies_once_then_is_a_noop(make_env, run_locally, caplog):
     assert f"noop: sglang 0.5.9 patches: all in place ({SM120} applied, {KIMI} applied)" in caplog.text
 
 
-def test_operation_refuses_a_conflict_before_changing_anything(make_env, run_locally):
+def test_operation_refuses_a_conflict_before_changing_anything(make_env, run_locally, caplog):
     env = make_env("0.5.9")
     target = env.file(KIMI_K25)
     target.write_text(target.read_text().replace("self.language_model.load_weights(language_weights)",
                                                  "self.language_model.load_weights(list(language_weights))"))
     snapshot = env.snapshot()
-    with pytest.raises(OperationError, match=rf"refused, no file changed: {KIMI}: conflict in {KIMI_K25} hunk #1 "):
-        add_op(make_state({}), sglang_patches, python=env.python)
+    state = make_state({})
+    with pytest.raises(PyinfraError, match="No hosts remaining"):  # refused at prepare, the only host
+        add_op(state, sglang_patches, python=env.python)
+    assert host_ops(state)[0] in state.failed_hosts
+    assert re.search(rf"refused, no file changed: {KIMI}: conflict in {KIMI_K25} hunk #1 ", caplog.text)
     assert env.snapshot() == snapshot
 
 
@@ -442,71 +447,117 @@ def test_dry_run_of_an_unbuilt_release_predicts_the_set_with_its_diffs_then_fail
     assert host_ops(state)[1].ops_change == 1
     assert f"will apply {SM120}, {KIMI} for sglang 0.5.9" in caplog.text
     assert "+    12: {" in caplog.text and "+    def get_embed_and_head" in caplog.text
-    with pytest.raises(OperationError, match="sglang is not installed"):
+    with pytest.raises(PyinfraError, match="No hosts remaining"):  # refused at execute, the only host
         run_ops(state)
+    assert f"refused: sglang patches: sglang is not installed in {env.python}" in caplog.text
 
 
-def test_deploy_patches_the_release_the_venv_step_plans(make_env, run_locally, monkeypatch):
+def test_deploy_patches_the_release_the_venv_step_plans(make_env, run_locally):
     env = make_env("0.5.9")
     release = SimpleNamespace(id="r-0123456789ab", dir=str(env.root / "release"), python=env.python)
-    monkeypatch.setattr("operations.patches.planned_release", lambda host: release)
     state = make_state({})
-    add_deploy(state, patches_deploy)
+    add_deploy(state, patches_deploy, release)
     host, meta = host_ops(state)
     assert meta.ops_change == 1
-    assert f"if [ -x {env.python} ]" in host.connector.executed_commands[0]
+    assert f"PYTHON={env.python} " in host.connector.executed_commands[0]
+    assert f"RECORD={env.root}/release/patches.json " in host.connector.executed_commands[0]
 
 
-# --- the check's memo ---------------------------------------------------------------------
+# --- the sums of a set in place ------------------------------------------------------------
 
 
 def checked(env: Env, patch_root=PATCH_ROOT) -> dict:
-    """The fact as the deploy reads it (with the release's record path): from the memo when it holds,
-    else from the environment's python, whose answer carries a `memo` key."""
+    """The fact as the deploy reads it (with the release's record path): from the record when its sums
+    hold (`verified: sums`), else from the environment's python (with the sums to keep, once in place)."""
     fact = PatchStates()
     result = sh(fact.command(python=env.python, record_path=str(env.record), patch_root=str(patch_root)))
     assert result.returncode == 0, result.stderr
     return fact.process(result.stdout.splitlines())
 
 
-def applied_and_settled(env: Env) -> dict:
-    """Apply the set, let the racy second pass (see patchlib's memo), keep the memo as the operation
-    does; the check's own answer is returned."""
+def sums_file(env: Env) -> Path:
+    return Path(patchlib.sums_path(str(env.record)))
+
+
+def applied(env: Env) -> dict:
+    """Apply the set as the operation does (which writes its sums); the check's answer afterwards."""
     assert sh(remote_command(env.python, "apply", "sglang", str(env.record), PATCH_ROOT)).returncode == 0
-    time.sleep(memo.RACY_NS / 1e9 + 0.1)
-    answer = checked(env)
-    assert answer["memo"], "a settled, converged environment gives a memo"
-    assert sh(memo_write_command(str(env.record), answer["memo"])).returncode == 0
-    return answer
+    assert sums_file(env).is_file()
+    return checked(env)
 
 
-def without_memo(answer: dict) -> dict:
-    return {key: value for key, value in answer.items() if key != "memo"}
-
-
-def test_a_kept_memo_answers_the_check_without_python_while_nothing_changed(make_env):
+def test_applying_leaves_sums_that_answer_the_check_without_python(make_env):
     env = make_env("0.5.9")
-    answer = applied_and_settled(env)
-    again = checked(env)
-    assert "memo" not in again  # the shell printed the kept answer: python did not run
-    assert again == without_memo(answer)
-    assert [p["state"] for p in again["patches"]] == ["applied", "applied"] and again["record"] == "current"
+    answer = applied(env)
+    assert answer["verified"] == "sums" and "sums" not in answer
+    assert [(p["name"], p["state"], p["check"]) for p in answer["patches"]] == [(SM120, "applied", "ok"),
+                                                                                 (KIMI, "applied", "ok")]
+    assert (answer["version"], answer["record"], answer["record_path"]) == ("0.5.9", "current", str(env.record))
+    assert patchlib.refusal(answer["patches"]) is None
+    full = checked_by_python(env)
+    assert [(p["name"], p["state"]) for p in full["patches"]] == [(p["name"], p["state"]) for p in answer["patches"]]
+
+
+def checked_by_python(env: Env) -> dict:
+    command = remote_command(env.python, "check", "sglang", str(env.record), PATCH_ROOT, quick=False)
+    return json.loads(sh(command).stdout)
+
+
+def test_the_sums_name_every_file_the_check_read(make_env):
+    env = make_env("0.5.9")
+    applied(env)
+    lines = sums_file(env).read_text().splitlines()
+    assert lines[0] in {f"{patchlib.SUMS_HEADER} {digest}" for digest in set_digests("sglang").values()}
+    named = {line.split("  ", 1)[1] for line in lines[1:]}
+    entry = env.site_packages  # as sys.path names it, links not resolved
+    assert named == {str(env.record), str(entry / "sglang-0.5.9.dist-info" / "METADATA")} | {
+        str(entry / path) for path in TARGETS}
+    assert sh(f"tail -n +2 {sums_file(env)} | sha256sum -c --strict --status").returncode == 0
 
 
 def _revert_target(env: Env, pristine) -> None:
     shutil.copyfile(pristine("0.5.9") / KIMI_K25, env.file(KIMI_K25))
 
 
-def _touch_target(env: Env, pristine) -> None:
-    env.file(TORCH_SYMM_MEM).write_bytes(env.file(TORCH_SYMM_MEM).read_bytes())  # same bytes, new ctime
+def _edit_target(env: Env, pristine) -> None:
+    env.file(TORCH_SYMM_MEM).write_text(env.file(TORCH_SYMM_MEM).read_text() + "# a local edit\n")
 
 
 def _rewrite_record(env: Env, pristine) -> None:
     env.record.write_text(env.record.read_text().replace('"applied"', '"upstream"', 1))
 
 
+def _another_version(env: Env, pristine) -> None:
+    metadata = env.site_packages / "sglang-0.5.9.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text().replace("Version: 0.5.9", "Version: 0.5.9.post1", 1))
+
+
+def _remove_target(env: Env, pristine) -> None:
+    env.file(KIMI_K25).unlink()
+
+
+@pytest.mark.parametrize("change, expected", [
+    (_revert_target, (["applied", "applicable"], "current")),
+    (_edit_target, (["applied", "applied"], "stale")),
+    (_rewrite_record, (["applied", "applied"], "stale")),
+    (_another_version, ([], None)),
+    (_remove_target, (["applied", "conflict"], "stale")),
+])
+def test_any_change_to_a_file_the_check_read_makes_python_check_again(make_env, pristine, change, expected):
+    env = make_env("0.5.9")
+    applied(env)
+    change(env, pristine)
+    again = checked(env)
+    assert "verified" not in again  # python ran
+    assert ([p["state"] for p in again["patches"]], again["record"]) == expected
+
+
+def _touch_target(env: Env, pristine) -> None:
+    env.file(TORCH_SYMM_MEM).write_bytes(env.file(TORCH_SYMM_MEM).read_bytes())  # same bytes, new ctime
+
+
 def _add_a_pth_file(env: Env, pristine) -> None:
-    (env.site_packages / "elsewhere.pth").write_text("/nonexistent\n")
+    (env.site_packages / "elsewhere.pth").write_text("/nonexistent\n")  # after site-packages on sys.path
 
 
 def _reinstall_metadata(env: Env, pristine) -> None:
@@ -516,70 +567,110 @@ def _reinstall_metadata(env: Env, pristine) -> None:
     metadata.write_text(text)
 
 
-@pytest.mark.parametrize("change, expected", [
-    (_revert_target, (["applied", "applicable"], "current")),
-    (_touch_target, (["applied", "applied"], "current")),
-    (_rewrite_record, (["applied", "applied"], "stale")),
-    (_add_a_pth_file, (["applied", "applied"], "current")),
-    (_reinstall_metadata, (["applied", "applied"], "current")),
-])
-def test_any_change_to_what_the_check_read_makes_python_check_again(make_env, pristine, change, expected):
+@pytest.mark.parametrize("change", [_touch_target, _add_a_pth_file, _reinstall_metadata])
+def test_what_leaves_every_file_as_it_was_keeps_the_sums_holding(make_env, pristine, change):
     env = make_env("0.5.9")
-    applied_and_settled(env)
+    answer = applied(env)
     change(env, pristine)
-    again = checked(env)
-    assert "memo" in again  # python ran
-    assert ([p["state"] for p in again["patches"]], again["record"]) == expected
+    assert checked(env) == answer
 
 
-def test_a_memo_for_other_patch_sets_or_engine_is_not_used(make_env, tmp_path):
+def test_sums_of_other_patch_sets_or_engine_are_not_used(make_env, tmp_path):
     env = make_env("0.5.9")
-    applied_and_settled(env)
+    applied(env)
     other_root = tmp_path / "patches"
     shutil.copytree(PATCH_ROOT, other_root)
     checks_file = other_root / "sglang" / "0.5.9" / "checks.py"
     checks_file.write_text(checks_file.read_text() + "\n# another servestack version\n")
-    assert "memo" in checked(env, patch_root=other_root)
+    again = checked(env, patch_root=other_root)
+    assert "verified" not in again and again["record"] == "current" and again["sums"]
 
 
-def test_no_memo_for_inputs_changed_within_the_racy_second(tmp_path):
-    target = tmp_path / "target.py"
-    target.write_text("x = 1\n")
-    now = time.time_ns()
-    assert patchlib.memo_text({"a": 1}, "d" * 64, [str(target)], now) is None
-    kept = patchlib.memo_text({"a": 1}, "d" * 64, [str(target), str(tmp_path / "absent")], now + 2 * memo.RACY_NS)
-    lines = kept.splitlines()
-    assert lines[0] == f"{patchlib.MEMO_HEADER} {'d' * 64}"
-    assert lines[1:3] == [f"P {target}", f"A {tmp_path / 'absent'}"]
-    stat_line = sh(f"stat -L -c '{memo.STAT}' {target}").stdout.strip()
-    assert lines[3] == f"S {stat_line}"  # python writes what `stat` prints
-    assert lines[4:] == ["R 8", json.dumps({"a": 1})]
-
-
-def test_verification_reads_the_files_not_the_memo(make_env):
+def test_verification_runs_the_full_check(make_env):
     env = make_env("0.5.9")
-    applied_and_settled(env)
-    verify_command = remote_command(env.python, "check", "sglang", str(env.record), PATCH_ROOT, memo=False)
-    assert "memo" in json.loads(sh(verify_command).stdout)
+    applied(env)
+    assert "verified" not in checked_by_python(env)
 
 
-def test_the_operation_keeps_the_memo_once_the_set_is_in_place_and_never_in_a_dry_run(make_env, run_locally):
+def test_a_set_in_place_without_sums_gets_them_from_the_operation_never_in_a_dry_run(make_env, run_locally):
     env = make_env("0.5.9")
     state = make_state({})
     add_op(state, sglang_patches, python=env.python, record_path=str(env.record))
     run_ops(state)
-    time.sleep(memo.RACY_NS / 1e9 + 0.1)
+    sums_file(env).unlink()  # e.g. a release patched by an older servestack
 
     dry = make_state({})
     add_op(dry, sglang_patches, python=env.python, record_path=str(env.record))
-    assert not Path(memo_path(str(env.record))).exists()  # prepare (and so --dry) writes nothing
+    assert not sums_file(env).exists()  # prepare (and so --dry) writes nothing
 
     converged = make_state({})
     add_op(converged, sglang_patches, python=env.python, record_path=str(env.record))
     run_ops(converged)
     assert host_ops(converged)[1].ops_change == 0
-    assert Path(memo_path(str(env.record))).is_file()
-    assert "memo" not in checked(env)
+    assert checked(env)["verified"] == "sums"
+
+
+# --- files/scripts/patch-check.sh --------------------------------------------------------------
+
+
+def patch_check(tmp_path: Path, sums: str | None, python: str | None = None, headers: str = "h 1") -> dict:
+    """Run the script with bash against files under tmp_path; a stand-in python notes its start."""
+    if python is None:
+        python = str(tmp_path / "python")
+        Path(python).write_text(f"#!/bin/sh\necho started >> {tmp_path}/started\ncat\n")
+        os.chmod(python, 0o755)
+    record = tmp_path / "record.json"
+    env = {"PYTHON": python, "ABSENT": '{"absent": true}', "RECORD": str(record),
+           "SUMS": str(tmp_path / "record.json.sha256") if sums is not None else "", "HEADERS": headers,
+           "HOLD": SUMS_HOLD}
+    if sums is not None:
+        (tmp_path / "record.json.sha256").write_text(sums)
+    result = subprocess.run(["bash", "-c", script_command(SCRIPT, env=env)], input='{"from": "python"}\n',
+                            capture_output=True, text=True)
+    return {"rc": result.returncode, "out": result.stdout.splitlines(),
+            "python": (tmp_path / "started").is_file()}
+
+
+def sums_of(*paths: Path, header: str = "h 1") -> str:
+    return "".join([f"{header}\n"] + [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p}\n" for p in paths])
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "record.json").write_text('{"package": "sglang"}\n')
+    (tmp_path / "patched.py").write_text("x = 1\n")
+    return tmp_path / "record.json", tmp_path / "patched.py"
+
+
+def test_patch_check_answers_from_the_record_when_the_sums_hold(tmp_path, files):
+    ran = patch_check(tmp_path, sums_of(*files), headers="h 0\nh 1")
+    assert ran == {"rc": 0, "python": False,
+                   "out": [SUMS_HOLD, str(tmp_path / "python"), str(files[0]), '{"package": "sglang"}']}
+
+
+@pytest.mark.parametrize("sums", [
+    lambda files: sums_of(*files, header="h 2"),                                  # another engine or set
+    lambda files: sums_of(*files).replace("h 1\n", ""),                          # no header
+    lambda files: "h 1\n",                                                      # nothing to confirm
+    lambda files: sums_of(*files) + "not a sum line\n",
+    lambda files: sums_of(*files).replace(str(files[1]), str(files[1]) + ".gone"),
+    lambda files: sums_of(*files).replace(hashlib.sha256(files[1].read_bytes()).hexdigest(), "0" * 64),
+])
+def test_patch_check_runs_python_when_the_sums_do_not_hold(tmp_path, files, sums):
+    ran = patch_check(tmp_path, sums(files))
+    assert ran == {"rc": 0, "python": True, "out": ['{"from": "python"}']}
+
+
+def test_patch_check_runs_python_when_a_file_changed_or_without_sums(tmp_path, files):
+    sums = sums_of(*files)
+    files[1].write_text("x = 2\n")
+    assert patch_check(tmp_path, sums)["python"]
+    assert patch_check(tmp_path, None)["python"]  # apply, or verification (quick=False)
+
+
+def test_patch_check_prints_absent_without_an_executable_python(tmp_path, files):
+    ran = patch_check(tmp_path, sums_of(*files), python=str(tmp_path / "nowhere" / "python"))
+    assert ran == {"rc": 0, "python": False, "out": ['{"absent": true}']}
 
 
 def test_the_installed_version_is_found_where_importlib_metadata_finds_it(make_env):

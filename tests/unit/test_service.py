@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import logging
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.connect import connect_all
+from pyinfra.api.deploy import add_deploy
+from pyinfra.api.exceptions import PyinfraError
+from pyinfra.api.operation import add_op
+from pyinfra.api.operations import run_ops
+from pyinfra.facts.files import FileContents
 
+from facts.batch import FactRequest
 from facts.service import (combine_digests, parse_properties, parse_record, parse_venv_target, release_id_of)
 from operations import service
+from servestack import reads
 from servestack.errors import ConfigError
-from servestack.settings import settings_from_data
+from servestack.scripts import SCRIPTS
+from servestack.settings import host_settings, settings_from_data
 from servestack.sandbox.standins import fake_sglang_server
+from tests.unit.fake_host import fake_state
 
 RELEASE_ID = "r-0123456789ab"
 PATCHSET = "ab" * 32
@@ -239,13 +252,15 @@ def test_gate_rolls_back_to_the_recorded_release():
 
 
 def test_gate_script_is_valid_bash():
-    proc = subprocess.run(["bash", "-n", str(service.GATE_SCRIPT)], capture_output=True, text=True)
+    proc = subprocess.run(["bash", "-n", str(SCRIPTS / service.GATE_SCRIPT)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_gate_command_quotes_every_input():
     command = service.gate_command({"SS_UNIT": "sglang.service", "SS_GENERATE_BODY": '{"text": "it\'s"}'})
-    assert "'SS_GENERATE_BODY={\"text\": \"it'\"'\"'s\"}'" in command.get_raw_value()
+    words = shlex.split(command.get_raw_value())
+    assert 'SS_GENERATE_BODY={"text": "it\'s"}' in words and "SS_UNIT=sglang.service" in words
+    assert words[words.index("bash") + 2] == (SCRIPTS / service.GATE_SCRIPT).read_text()
 
 
 # -- fact parsers -----------------------------------------------------------------------------------
@@ -286,51 +301,137 @@ def test_record_and_digest_parsers():
 
 def test_no_secret_or_version_literal_lives_in_the_service_code():
     source = (Path(service.__file__).read_text() + service.UNIT_TEMPLATE.read_text()
-              + service.GATE_SCRIPT.read_text())
+              + (SCRIPTS / service.GATE_SCRIPT).read_text() + (SCRIPTS / service.SECRETS_SCRIPT).read_text())
     assert "13.0.1" not in source and "cu130" not in source and "/usr/local/cuda-13.0" not in source
 
 
 # -- the roll-out's failure budget --------------------------------------------------------------------
-
-class _Meta:
-    def __init__(self, outcome):
-        self.outcome = outcome
-
-    def is_complete(self):
-        return self.outcome is not None
-
-    def did_error(self):
-        return self.outcome == "error"
-
 
 class _Host:
     def __init__(self, name):
         self.name = name
 
 
-class _OpData:
-    def __init__(self, outcome):
-        self.operation_meta = _Meta(outcome)
-
-
-class _State:
-    """What `rollout_failures` reads of pyinfra's State: the inventory and each host's operation data."""
-
-    def __init__(self, outcomes: dict):
-        self.inventory = [_Host(name) for name in outcomes]
-        self.ops = {host: {"op": _OpData(outcomes[host.name])} for host in self.inventory
-                    if outcomes[host.name] != "absent"}
-
-
-def _state(outcomes: dict) -> _State:
-    return _State(outcomes)
-
-
 def test_rollout_failures_count_completed_gate_failures_only():
-    state = _state({"h1": "error", "h2": "ok", "h3": None, "h4": "absent", "h5": "error"})
-    assert service.rollout_failures(state, "op") == ["h1", "h5"]
-    service._STOPPED[state] = {"h5"}  # stopped by the roll-out: not a health-gate failure
-    assert service.rollout_failures(state, "op") == ["h1"]
+    state = fake_state({})
+    failures = service.gate_failures(state)
+    assert service.gate_failures(state) is failures and failures in state.callback_handlers
+    for name in ("h1", "h2", "h3", "h5"):
+        failures.gating("op", name)
+    for name in ("h1", "h4", "h5"):  # h4: stopped by the roll-out (its gate never ran): not a gate failure
+        state.trigger_callbacks("operation_host_error", _Host(name), "op")
+    state.trigger_callbacks("operation_host_success", _Host("h2"), "op")
+    state.trigger_callbacks("operation_host_error", _Host("h2"), "another-op")
+    assert service.rollout_failures(state, "op") == ["h1", "h5"]  # h3: its gate is still running
+
+
+def fleet(names: list[str], responses: dict, config: Config | None = None) -> State:
+    """A connected State of @fake hosts answering `responses` (and nothing else)."""
+    inventory = Inventory(([f"@fake/{name}" for name in names],
+                           {"fake_delay": 0, "fake_delay_jitter": 0, "fake_responses": responses}))
+    state = State(inventory, config or Config())
+    state.print_noop_info = True
+    connect_all(state)
+    return state
+
+
+def gated(state: State) -> list[str]:
+    return [host.name for host in state.inventory
+            if any(service.GATE_SCRIPT in command for command in host.connector.executed_commands)]
+
+
+@pytest.mark.parametrize("budget, gates", [(0, 1), (1, 2), (2, 3)])
+def test_the_rollout_stops_once_more_hosts_failed_their_gate_than_the_budget(budget, gates, caplog):
+    state = fleet(["h1", "h2", "h3"], {service.GATE_SCRIPT: {"success": False, "stderr": "unhealthy"}})
+    s = settings(rollout_failure_budget=budget)
+    add_op(state, service.restart, settings=s, release=service.release(s, RELEASE_ID), _parallel=1)
+    with pytest.raises(PyinfraError, match="No hosts remaining"):
+        run_ops(state)
+    assert len(gated(state)) == gates, caplog.text
+    assert state.failed_hosts == set(state.inventory)
+    stopped = "sglang.service not restarted: the roll-out stopped after"
+    assert caplog.text.count(stopped) == 3 - gates
+    if gates < 3:
+        assert f"{stopped} {gates} host(s) failed their health gate ({', '.join(sorted(gated(state)))}; " \
+               f"rollout_failure_budget={budget})" in caplog.text
+
+
+def test_healthy_hosts_restart_batch_after_batch():
+    state = fleet(["h1", "h2", "h3"], {})
+    s = settings(rollout_failure_budget=0)
+    add_op(state, service.restart, settings=s, release=service.release(s, RELEASE_ID), _parallel=1)
+    run_ops(state)
+    assert sorted(gated(state)) == ["@fake/h1", "@fake/h2", "@fake/h3"] and not state.failed_hosts
+
+
+# -- the step on a fresh host (pyinfra's @fake connector) -------------------------------------------
+
+FRESH_HOST = {"command -v curl": "/usr/bin/curl", "command -v useradd": "/usr/sbin/useradd", "uname -s": "Linux"}
+
+
+def read_keys(monkeypatch) -> list[str]:
+    """The key of every `reads.fact` the step makes from now on."""
+    keys = []
+    real = reads.fact
+
+    def fact(host, cls, **kwargs):
+        keys.append(FactRequest.of(cls, **kwargs).key)
+        return real(host, cls, **kwargs)
+
+    monkeypatch.setattr(reads, "fact", fact)
+    return keys
+
+
+def test_host_reads_lists_what_the_step_reads_with_the_same_arguments(monkeypatch):
+    state = fleet(["gpu1"], FRESH_HOST)
+    s = settings()
+    rel = service.release(s, RELEASE_ID)
+    keys = read_keys(monkeypatch)
+    add_deploy(state, service.sglang_service, release=rel)
+    listed = {request.key for request in service.host_reads(s, rel)}
+    unit_text = FactRequest.of(FileContents, path=service.unit_path(s)).key  # read only to diff a change
+    assert set(keys) - listed == {unit_text}
+    assert listed - set(keys) == set()
+    assert {request.key for request in service.host_reads(s)} < listed
+
+
+def test_a_dry_run_on_a_fresh_host_diffs_the_unit_of_the_planned_release(caplog):
+    caplog.set_level(logging.INFO, logger="pyinfra")
+    state = fleet(["gpu1"], FRESH_HOST, Config(DIFF=True))
+    rel = service.release(settings(), RELEASE_ID)  # not on the host: what venv.plan() names in --dry
+    add_deploy(state, service.sglang_service, release=rel)
+    host = state.inventory.get_host("@fake/gpu1")
+    assert not state.failed_hosts
+    assert f"+ ExecStart=/opt/servestack/releases/{RELEASE_ID}/venv/bin/python -m sglang.launch_server \\" \
+        in caplog.text, caplog.text
+    assert f"will restart sglang.service on release {RELEASE_ID}: no healthy start recorded yet" in caplog.text
+    assert state.get_meta_for_host(host).ops_change == 4  # user, cache directory, unit, restart; no secrets
+    assert all(not command.startswith(("install", "systemctl")) for command in host.connector.executed_commands)
+
+
+def test_the_secret_is_never_on_a_command_line_or_in_the_log(monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)
+    token = "hf_" + "5e" * 16
+    monkeypatch.setenv("HF_TOKEN", token)
+    inventory = Inventory((["@fake/gpu1"], {"fake_delay": 0, "fake_delay_jitter": 0, "fake_responses": FRESH_HOST,
+                                            "service_secret_env": ["HF_TOKEN"]}))
+    state = State(inventory, Config(DIFF=True))
+    connect_all(state)
+    s = host_settings(state.inventory.get_host("@fake/gpu1"))
+    add_deploy(state, service.sglang_service, release=service.release(s, RELEASE_ID))
+    run_ops(state)
+    host = state.inventory.get_host("@fake/gpu1")
+    commands = "\n".join(host.connector.executed_commands)
+    assert "secrets-file.sh" in commands and "secrets file changed" in caplog.text
+    assert token not in commands and token not in caplog.text
+
+
+def test_an_existing_login_user_is_refused_naming_the_key(caplog):
+    state = fleet(["gpu1"], {**FRESH_HOST, "getent passwd sglang": "sglang:x:1001:1001::/home/sglang:/bin/bash"})
+    with pytest.raises(PyinfraError, match="No hosts remaining"):  # the only host was refused
+        add_deploy(state, service.sglang_service, release=service.release(settings(), RELEASE_ID))
+    assert "refused: 'service_user': sglang is an existing login user (uid 1001)" in caplog.text
+    assert state.get_meta_for_host(state.inventory.get_host("@fake/gpu1")).ops == 0
 
 
 def test_only_model_paths_on_disk_are_checked_for_the_service_user():

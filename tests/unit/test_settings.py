@@ -1,6 +1,7 @@
 """The manifest and host data are validated before any connection, with one clear line per problem."""
 
 import copy
+import re
 import subprocess
 import sys
 import tomllib
@@ -105,6 +106,32 @@ def test_each_kind_of_bad_host_data_is_refused_naming_host_and_key(data, expecte
 def test_every_problem_is_reported_at_once():
     message = refused_host({"gpu_count": "x", "service_port": -1, "venv_path": "relative"})
     assert message.count("host gpu-7:") == 3
+
+
+def test_three_bad_values_give_three_lines():
+    """A wrong type does not hide a consistency problem (issue 16: only two of these showed)."""
+    message = refused_host({"service_tp": 3, "service_port": -1, "rollout_batch": 0})
+    assert message.splitlines() == [
+        "host gpu-7: 'rollout_batch': expected an integer >= 1, got 0",
+        "host gpu-7: 'service_port': expected an integer from 1 to 65535, got -1",
+        "host gpu-7: 'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 3",
+    ]
+
+
+def test_a_consistency_check_waits_only_for_the_keys_it_reads():
+    message = refused_host({"gpu_count": "eight", "service_speculative_num_draft_tokens": 9})
+    assert "'gpu_count': expected an integer from 1 to 64, got 'eight'" in message
+    assert "expected speculative_num_steps + 1 = 4 when speculative_eagle_topk is 1, got 9" in message
+    assert "divides gpu_count" not in message  # gpu_count is wrong: no verdict on service_tp
+
+
+def test_a_manifest_error_names_the_whole_path_of_the_file(tmp_path):
+    manifest = tmp_path / "stack.toml"
+    text = DEFAULT_MANIFEST.read_text()
+    manifest.write_text(re.sub(r"(?m)^(\[uv\]\n)version = .*\n", r"\1", text))
+    with pytest.raises(ConfigError) as error:
+        load_manifest(manifest)
+    assert str(error.value) == f"{manifest}: key 'uv.version': expected a version string like '13.0.1' (missing)"
 
 
 def test_foreign_keys_are_left_to_their_owners():

@@ -1,34 +1,49 @@
 """Toolkit step decisions: what the install path holds, how the runfile is had, the records, the
-post-install checks, and the shell pieces that can run here safely (verify, link restore)."""
+post-install checks, and the inputs the host-side scripts get (the scripts themselves run in
+test_toolkit_scripts.py)."""
 
 from __future__ import annotations
 
-import hashlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from pyinfra.api import Config, State
+from pyinfra.api.deploy import add_deploy
+from pyinfra.api.exceptions import PyinfraError
+from pyinfra.api.operations import run_ops
 
-from facts.toolkit import Digest, FileStat, Fingerprint, LinkChain, NvccVersion, ToolkitState, Tree
+from facts.batch import FactRequest
+from facts.toolkit import CudaToolkits, Digest, FileStat, Fingerprint, LinkChain, NvccVersion, ToolkitState, Tree
 from operations.toolkit import (
     after_install_problems,
     assess_install,
     download_command,
     file_to_hash,
+    host_reads,
     human_bytes,
-    install_script,
+    install_command,
     kept_paths,
     link_line,
     new_record,
     paths_to_record,
     plan_runfile,
     record_target,
-    restore_link_script,
     runfile_source,
-    verify_script,
+    cuda_toolkit,
+    toolkit_fact_arguments,
 )
 from servestack.manifest import Runfile
+from servestack.sandbox.standins.toolkit import write_toolkit_tree
 from servestack.settings import settings_from_data
+from tests.unit.fake_host import fake_state, run_here
+from tests.unit.test_toolkit_scripts import fake_runfile, lab_data, lab_manifest
 
 INSTALL = "/usr/local/cuda-13.0"
 
@@ -248,76 +263,101 @@ def test_after_install_checks_every_promise():
     assert any(p.startswith(f"/usr/local/cuda is /usr/local/cuda -> {INSTALL}") for p in problems)
 
 
-# Shell pieces, run here on temporary files only
+# What the scripts are given
 
-def sh(script: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", "-c", 'say() { echo "servestack: $*" >&2; }\nts=TS\n' + script],
-                          capture_output=True, text=True, cwd=cwd)
-
-
-def test_verify_script_accepts_the_right_bytes_and_moves_aside_the_wrong(tmp_path):
-    data = b"runfile bytes"
-    runfile = Runfile("x.run", "http://m/x.run", len(data), hashlib.md5(data).hexdigest(),
-                      hashlib.sha256(data).hexdigest())
-    path = tmp_path / "x.run"
-    path.write_bytes(data)
-    assert sh(verify_script(runfile, str(path), ours=True), tmp_path).returncode == 0
-    path.write_bytes(b"runfile bytez")
-    result = sh(verify_script(runfile, str(path), ours=True), tmp_path)
-    assert result.returncode == 1 and "md5" in result.stderr and "never used" in result.stderr
-    assert not path.exists() and (tmp_path / "x.run.rejected-TS").exists()
-
-
-def test_verify_script_never_moves_a_prestaged_file(tmp_path):
-    runfile = Runfile("x.run", "http://m/x.run", 3, "a" * 32, "b" * 64)
-    path = tmp_path / "x.run"
-    path.write_bytes(b"abc")
-    result = sh(verify_script(runfile, str(path), ours=False), tmp_path)
-    assert result.returncode == 1 and "pre-staged" in result.stderr and path.exists()
-
-
-def test_restore_link_script_puts_back_only_changed_hops(tmp_path):
-    link, alt = tmp_path / "cuda", tmp_path / "alternatives-cuda"
-    (tmp_path / "cuda-12.8").mkdir()
-    (tmp_path / "cuda-13.0").mkdir()
-    alt.symlink_to(tmp_path / "cuda-12.8")
-    link.symlink_to(alt)
-    chain = LinkChain(str(link), ((str(link), str(alt)), (str(alt), str(tmp_path / "cuda-12.8"))), None, "link")
-    assert sh(restore_link_script(chain), tmp_path).stderr == ""
-    link.unlink()
-    link.symlink_to(tmp_path / "cuda-13.0")           # what a re-pointing installer does
-    result = sh(restore_link_script(chain), tmp_path)
-    assert "restored" in result.stderr
-    assert Path.readlink(link) == alt and Path.readlink(alt) == tmp_path / "cuda-12.8"
-
-
-def test_restore_link_script_removes_a_link_that_did_not_exist(tmp_path):
-    link = tmp_path / "cuda"
-    link.symlink_to("cuda-13.0")
-    sh(restore_link_script(LinkChain(str(link))), tmp_path)
-    assert not link.is_symlink()
-
-
-def test_generated_scripts_are_valid_shell():
+def test_rendered_commands_are_valid_shell():
     s = settings()
     src = runfile_source(s, "x86_64")
-    for script in (install_script(s, src, src.part, state().link, "run-1"),
-                   install_script(s, src, src.cached, None, "run-1"),
-                   download_command(src)):
-        result = subprocess.run(["sh", "-n", "-c", script], capture_output=True, text=True)
+    for command in (install_command(s, src, src.part, state().link, "run-1"),
+                    install_command(s, src, src.cached, None, "run-1"),
+                    download_command(src)):
+        result = subprocess.run(["sh", "-n", "-c", command], capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
 
 
-def test_install_script_uses_the_reference_flags():
+def test_install_command_uses_the_reference_flags():
     s = settings(cuda_tmpdir="/scratch/tmp")
     src = runfile_source(s, "x86_64")
-    script = install_script(s, src, src.cached, None, "run-1")
-    assert ("sh /var/cache/servestack/cuda_13.0.1_580.82.07_linux.run --silent --toolkit --no-opengl-libs "
-            "--no-drm --no-man-page --installpath=/usr/local/cuda-13.0 --tmpdir=/scratch/tmp") in script
-    assert "TMPDIR=/scratch/tmp" in script
-    assert "--driver" not in script
+    words = shlex.split(install_command(s, src, src.cached, None, "run-1"))
+    install = words[words.index("cuda-toolkit.sh") + 1:]
+    assert install == ["install", "--silent", "--toolkit", "--no-opengl-libs", "--no-drm", "--no-man-page"]
+    assert "SS_RUNFILE=/var/cache/servestack/cuda_13.0.1_580.82.07_linux.run" in words
+    assert "SS_INSTALL_PATH=/usr/local/cuda-13.0" in words and "SS_TMP_DIR=/scratch/tmp" in words
+    assert not [word for word in words if "--driver" in word]
+
+
+def test_the_step_lists_the_read_its_operation_makes():
+    s = settings()
+    assert host_reads(s) == [FactRequest.of(CudaToolkits, **toolkit_fact_arguments(s))]
+    assert host_reads(s, release=object()) == host_reads(s)
 
 
 @pytest.mark.parametrize("policy", ["keep", "new"])
 def test_policy_is_a_known_choice(policy):
     assert settings(cuda_link_policy=policy).cuda_link_policy == policy
+
+
+# The operation through pyinfra's @fake connector, every command it sends run here in a temporary directory
+
+def run_commands_here(monkeypatch) -> None:
+    run_here(monkeypatch, lambda command: True,
+             lambda command: subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60))
+
+
+def fake_host(state: State):
+    return state.inventory.get_host("@fake/gpu1")
+
+
+@pytest.fixture
+def host_lab(tmp_path, monkeypatch):
+    """A host whose /usr/local/cuda -> cuda-12.8 (a stand-in toolkit), every path in tmp_path, and
+    the manifest's runfile (a fake installer) served at a file:// URL."""
+    runfile = fake_runfile(tmp_path, "normal")
+    (tmp_path / "served.run").write_bytes(runfile)
+    data = {**lab_data(tmp_path, lab_manifest(tmp_path, runfile)), "cuda_runfile_url": f"file://{tmp_path}/served.run"}
+    write_toolkit_tree(tmp_path / "cuda-12.8")
+    (tmp_path / "cuda").symlink_to("cuda-12.8")
+    run_commands_here(monkeypatch)
+    return tmp_path, data
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+
+
+@pytest.mark.skipif(not shutil.which("curl") or not shutil.which("flock"), reason="needs curl and flock")
+def test_the_operation_installs_then_a_converged_host_costs_one_read(host_lab, caplog):
+    root, data = host_lab
+    caplog.set_level(logging.INFO, logger="pyinfra")
+    before = listing(root)
+    state = fake_state(data, Config(DIFF=True))
+    add_deploy(state, cuda_toolkit)
+    assert state.get_meta_for_host(fake_host(state)).ops_change == 1
+    assert listing(root) == before                                       # prepare changes nothing
+    assert re.search(r"download [\d.]+ kB from file://", caplog.text) and "install 13.0.1 into" in caplog.text
+    run_ops(state)
+    assert not state.failed_hosts
+    assert (root / "cuda-13.0" / "version.json").exists() and os.readlink(root / "cuda") == "cuda-12.8"
+    record = json.loads((root / "state" / "toolkits.json").read_text())
+    assert record["installed"]["version"] == "13.0.1" and str(root / "cuda-12.8") in record["toolkits"]
+    assert not (root / "state" / "toolkit-install.json").exists()
+    assert (root / "cache" / "cuda_13.0.1_580.82.07_linux.run").exists()
+    assert "checked: nvcc reports 13.0.88, kept toolkits unchanged" in caplog.text
+
+    again = fake_state(data)
+    add_deploy(again, cuda_toolkit)
+    host = fake_host(again)
+    assert (again.get_meta_for_host(host).ops_change, len(host.connector.executed_commands)) == (0, 1)
+    run_ops(again)
+    assert len(host.connector.executed_commands) == 2                     # one read per stage, nothing else
+
+
+def test_a_toolkit_it_cannot_vouch_for_refuses_the_host_at_prepare(host_lab, caplog):
+    root, data = host_lab
+    write_toolkit_tree(root / "cuda-13.0", "13.0.2", "13.0.88")
+    state = fake_state(data)
+    with pytest.raises(PyinfraError, match="No hosts remaining"):
+        add_deploy(state, cuda_toolkit)
+    assert fake_host(state) in state.failed_hosts
+    assert "refused: " in caplog.text and "version.json says CUDA 13.0.2, expected 13.0.1" in caplog.text
+    assert not (root / "state").exists() and not (root / "cache").exists()

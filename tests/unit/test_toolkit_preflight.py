@@ -24,12 +24,11 @@ from facts.host import (
     release_lock_command,
     take_lock_command,
 )
-from facts.preflight import HostPreflight, PreflightFacts
-from facts.probe import FactRequest
+from facts.batch import FactRequest
+from facts.preflight import PreflightFacts
 from facts.toolkit import (CudaToolkits, FileStat, LinkChain, NvccVersion, ToolkitState, Tree, dpkg_may_own,
                            toolkits_command)
-from operations.preflight import (CHECKS, disk_needs, evaluate, preflight_fact_arguments, preflight_requests,
-                                  problems_of)
+from operations.preflight import CHECKS, disk_needs, evaluate, host_reads, problems_of
 from operations.toolkit import kept_paths, runfile_candidates, toolkit_fact_arguments
 from servestack.doctor import render_json, report_for
 from servestack.settings import settings_from_data
@@ -163,9 +162,10 @@ def sh(command: str) -> subprocess.CompletedProcess:
 
 def test_lock_take_is_exclusive_and_stale_locks_are_replaced(tmp_path):
     state = str(tmp_path / "state")
-    assert parse_lock(sh(lock_read_command(state)).stdout.splitlines()).generation == 0
-    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "taken\ngeneration 1\n"
-    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "ours\ngeneration 1\n"
+    assert parse_lock(sh(lock_read_command(state)).stdout.splitlines()) == LockState()
+    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "taken\n"
+    assert (tmp_path / "state").is_dir()  # the take makes servestack's state directory
+    assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "ours\n"
     # No sshd above this shell: the owner is unknown, so the lock holds until reboot.
     held = sh(take_lock_command(state, "run-B", "ctl:2", "T"))
     assert held.returncode == 3 and held.stdout.startswith("held ")
@@ -176,14 +176,12 @@ def test_lock_take_is_exclusive_and_stale_locks_are_replaced(tmp_path):
     path.write_text(path.read_text().replace('"pid": null', '"pid": 4194304'))
     assert not parse_lock(sh(lock_read_command(state)).stdout.splitlines()).alive
     taken = sh(take_lock_command(state, "run-B", "ctl:2", "T"))
-    assert taken.stdout.startswith("stale ") and taken.stdout.endswith("taken\ngeneration 2\n")
+    assert taken.stdout.startswith("stale ") and taken.stdout.endswith("taken\n")
     assert json.loads(path.read_text())["run_id"] == "run-B"
     assert sh(release_lock_command(state, "run-A")).stdout == "not-ours\n"
     assert sh(release_lock_command(state, "run-B")).stdout == "released\n"
     assert not path.exists()
-    # Releasing keeps the count: a reader learns how many runs took the lock since it last looked.
-    assert parse_lock(sh(lock_read_command(state)).stdout.splitlines()).generation == 2
-    assert sh(take_lock_command(state, "run-C", "ctl:3", "T")).stdout == "taken\ngeneration 3\n"
+    assert sh(take_lock_command(state, "run-C", "ctl:3", "T")).stdout == "taken\n"
 
 
 def test_lock_of_a_rebooted_host_is_stale(tmp_path):
@@ -257,16 +255,13 @@ def test_free_space_falls_back_to_one_df_per_path_when_the_single_call_fails(tmp
         "/a": Disk("/a", "/", 1, 2), "/b": None}
 
 
-def test_the_deploy_reads_the_toolkits_once_as_the_toolkit_steps_fact():
+def test_preflight_reads_the_toolkits_as_the_toolkit_steps_own_fact():
     s = settings()
-    host_preflight, toolkits = preflight_requests(s)
-    assert host_preflight.cls is HostPreflight and toolkits == FactRequest.of(CudaToolkits, **toolkit_fact_arguments(s))
+    requests = host_reads(s)
+    assert FactRequest.of(CudaToolkits, **toolkit_fact_arguments(s)) in requests
     toolkit_section = toolkits_command(s.cuda_install_path, kept_paths(s), "/usr/local/cuda", s.servestack_state_dir,
                                        tuple(runfile_candidates(s)))
-    assert toolkit_section in toolkits.command()
-    assert toolkit_section not in host_preflight.command()
-    assert toolkit_section in HostPreflight().command(**preflight_fact_arguments(s, toolkit=True))  # the doctor's
-    assert HostPreflight().process(['args {"install_path": "/x", "link_path": "/y", "toolkit": false}']).toolkit is None
+    assert [request.cls for request in requests if toolkit_section in request.command()] == [CudaToolkits]
 
 
 @pytest.mark.skipif(not shutil.which("dpkg"), reason="no dpkg on this machine: nothing to compare with")
@@ -297,11 +292,11 @@ def test_the_lock_names_its_sshd_session_and_takes_and_releases_without_helper_p
     # the fake sshd runs the take in a child shell (a second command keeps it from exec'ing it)
     run = subprocess.run([str(fake_sshd), "-c", 'sh -c "$1"; echo "sshd $$"', "sshd", take_lock_command(str(state), "run-A", "ctl:1", "T")],
                          capture_output=True, text=True, env=env)
-    assert run.stdout.startswith("taken\ngeneration 1\n"), run.stderr
+    assert run.stdout.startswith("taken\n"), run.stderr
     sshd_pid = int(run.stdout.split("sshd ")[1])
     lock = json.loads((state / "lock").read_text())
     assert lock["pid"] == sshd_pid and lock["owner_start"].isdigit()
     assert lock["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     released = subprocess.run(["sh", "-c", release_lock_command(str(state), "run-A")], capture_output=True, text=True, env=env)
     assert released.stdout == "released\n"
-    assert sorted(log.read_text().split()) == ["flock", "flock", "mv", "mv", "rm"]
+    assert sorted(log.read_text().split()) == ["flock", "flock", "mv", "rm"]

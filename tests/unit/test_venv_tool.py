@@ -18,15 +18,26 @@ import time
 from pathlib import Path
 
 import pytest
+from pyinfra.api.deploy import add_deploy
+from pyinfra.api.exceptions import PyinfraError
+from pyinfra.api.operation import add_op
+from pyinfra.api.operations import run_ops
+from pyinfra.context import ctx_host, ctx_state
 
-from operations.releases import CHECK, TOOL, encode, release_plan
+from facts.batch import FactRequest
+from facts.venv import MlEnvState
+from operations import venv as venv_step
+from operations.releases import CHECK, HEREDOC, TOOL, encode, release_at, release_plan
+from operations.venv import activate_release, mlenv_fact_arguments
+from servestack import reads
 from servestack.manifest import load_manifest
 from servestack.sandbox.standins.wheels import TORCH_TAG, WheelSpec, build_wheel, standin_wheel
 
 sys.path.insert(0, str(Path(__file__).parent))
 import venv_index  # noqa: E402
 
-from servestack.settings import settings_from_data  # noqa: E402
+from servestack.settings import host_settings, settings_from_data  # noqa: E402
+from tests.unit.fake_host import fake_state, run_here  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("ml_env", TOOL)
 ml_env = importlib.util.module_from_spec(spec)
@@ -418,3 +429,215 @@ def test_activate_refuses_a_directory_that_is_not_a_venv(host):
     code, _, err = run_tool("activate", {**host, "release": "r-000000000003", "by": "deploy", "adopt_as": "a"})
     assert code == 1 and "exists but is not a venv" in err
     assert os.path.isdir(os.path.join(host["venv_path"], "data"))
+
+
+# --- the MlEnvState fact and the venv operations, the tool run here ------------------------------
+# A pretend host under tmp_path: venv_path links to release ACTIVE, OTHER is kept beside it; the
+# fact's real command runs with `sh -c`, and the operations run through pyinfra's @fake connector
+# with the tool's commands run here.
+
+ACTIVE, OTHER = "r-0123456789ab", "r-ba9876543210"
+
+
+def kept_release(root: Path, name: str) -> None:
+    directory = root / "releases" / name
+    (directory / "venv").mkdir(parents=True)
+    (directory / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (directory / "release.json").write_text(json.dumps({"id": name, "status": "ok"}))
+
+
+class PretendHost:
+    def __init__(self, root: Path):
+        self.root = root
+        self.venv_path = root / "opt" / "ml-env"
+        self.releases_dir = root / "releases"
+        self.state_dir = root / "state"
+        self.uv = root / "uv" / "bin" / "uv"
+        for name in (ACTIVE, OTHER):
+            kept_release(root, name)
+        self.venv_path.parent.mkdir()
+        self.venv_path.symlink_to(self.releases_dir / ACTIVE / "venv")
+        (self.state_dir / "backups").mkdir(parents=True)
+        (self.state_dir / "backups" / "20260101T000000Z.json").write_text(json.dumps({"release": OTHER}))
+        (self.state_dir / "releases.json").write_text(json.dumps({"activations": [
+            {"release": ACTIVE, "previous": OTHER, "by": "deploy", "at": "20260101T000000Z"}]}))
+        fake_uv(self.uv, "echo 'uv 0.13.9 (abc 2026-01-01)'")
+        self.env = {**os.environ, "PATH": f"{Path(HOST_PYTHON).parent}:/usr/bin:/bin"}
+
+    def sh(self, command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=self.env)
+
+    def data(self) -> dict:
+        return {"venv_path": str(self.venv_path), "venv_releases_dir": str(self.releases_dir),
+                "servestack_state_dir": str(self.state_dir), "uv_install_dir": str(self.uv.parent.parent),
+                "venv_python": Path(HOST_PYTHON).name}
+
+    def read(self, **overrides) -> dict | None:
+        """The fact's value, as pyinfra reads it, with the arguments the operations pass."""
+        arguments = {**mlenv_fact_arguments(settings_from_data("local", self.data())), **overrides}
+        fact = MlEnvState()
+        result = self.sh(fact.command(**arguments))
+        assert result.returncode == 0, result.stderr
+        return fact.process(result.stdout.splitlines())
+
+
+@pytest.fixture
+def pretend(tmp_path) -> PretendHost:
+    return PretendHost(tmp_path)
+
+
+def test_the_fact_reads_the_pretend_host(pretend):
+    state = pretend.read()
+    assert state["venv_path"]["release"] == ACTIVE and state["releases"].keys() == {ACTIVE, OTHER}
+    assert state["active"] is None and state["uv"] == "0.13.9"
+    assert state["backups"] == ["20260101T000000Z.json"] and state["history"][0]["previous"] == OTHER
+
+
+def test_the_fact_is_none_on_a_host_without_the_python(pretend):
+    assert pretend.read(python="no-such-python3") is None
+
+
+def _add_release(host: PretendHost) -> None:
+    kept_release(host.root, "r-aaaaaaaaaaaa")
+
+
+def _remove_release(host: PretendHost) -> None:
+    shutil.rmtree(host.releases_dir / OTHER)
+
+
+def _rewrite_a_record(host: PretendHost) -> None:
+    record = host.releases_dir / OTHER / "release.json"
+    record.write_text(record.read_text().replace('"ok"', '"failed"'))
+
+
+def _repoint_the_link(host: PretendHost) -> None:
+    temporary = host.venv_path.with_name("ml-env.new")
+    temporary.symlink_to(host.releases_dir / OTHER / "venv")
+    os.replace(temporary, host.venv_path)
+
+
+def _add_a_backup(host: PretendHost) -> None:
+    (host.state_dir / "backups" / "20260102T000000Z.json").write_text(json.dumps({"release": ACTIVE}))
+
+
+def _rewrite_the_history(host: PretendHost) -> None:
+    (host.state_dir / "releases.json").write_text(json.dumps({"activations": []}))
+
+
+def _replace_uv(host: PretendHost) -> None:
+    fake_uv(host.uv, "echo 'uv 0.14.0 (abc 2026-01-01)'")
+
+
+def _remove_a_venv(host: PretendHost) -> None:
+    (host.releases_dir / OTHER / "venv" / "pyvenv.cfg").unlink()
+
+
+@pytest.mark.parametrize("change, seen", [
+    (_add_release, lambda value: "r-aaaaaaaaaaaa" in value["releases"]),
+    (_remove_release, lambda value: OTHER not in value["releases"]),
+    (_rewrite_a_record, lambda value: value["releases"][OTHER]["status"] == "failed"),
+    (_repoint_the_link, lambda value: value["venv_path"]["release"] == OTHER),
+    (_add_a_backup, lambda value: value["backups"][-1] == "20260102T000000Z.json"),
+    (_rewrite_the_history, lambda value: value["history"] == []),
+    (_replace_uv, lambda value: value["uv"] == "0.14.0"),
+    (_remove_a_venv, lambda value: value["releases"][OTHER]["has_venv"] is False),
+])
+def test_the_fact_sees_every_change_to_what_the_state_is_read_from(pretend, change, seen):
+    pretend.read()
+    change(pretend)
+    assert seen(pretend.read())
+
+
+@pytest.fixture
+def run_on_pretend(monkeypatch, pretend):
+    """The @fake connector, but the tool's commands (params: base64) really run on the pretend host."""
+    run_here(monkeypatch, lambda command: HEREDOC in command, pretend.sh)
+
+
+def fake_host_of(state):
+    return state.inventory.get_host("@fake/gpu1")
+
+
+def test_activating_the_active_release_changes_nothing_in_either_stage(pretend, run_on_pretend):
+    dry = fake_state(pretend.data())
+    add_op(dry, activate_release, release=ACTIVE)
+    assert dry.get_meta_for_host(fake_host_of(dry)).ops_no_change == 1
+
+    converged = fake_state(pretend.data())
+    add_op(converged, activate_release, release=ACTIVE)
+    run_ops(converged)
+    assert converged.get_meta_for_host(fake_host_of(converged)).ops_change == 0
+    assert os.readlink(pretend.venv_path) == str(pretend.releases_dir / ACTIVE / "venv")
+
+
+def test_an_operation_reads_the_host_again_after_another_changed_it(pretend, run_on_pretend):
+    state = fake_state(pretend.data(), check_for_changes=False)  # pyinfra -y: operations run at execute
+    target = fake_host_of(state)
+    first = add_op(state, activate_release, release=OTHER)[target]
+    second = add_op(state, activate_release, release=OTHER)[target]  # reads the first one's switch
+    run_ops(state)
+    assert os.readlink(pretend.venv_path) == str(pretend.releases_dir / OTHER / "venv")
+    assert (first.did_change(), second.did_change()) == (True, False)
+    history = json.loads((pretend.state_dir / "releases.json").read_text())["activations"]
+    assert [(entry["release"], entry["previous"]) for entry in history[1:]] == [(OTHER, ACTIVE)]
+
+
+def test_host_reads_lists_what_the_operations_read_with_the_same_arguments(pretend, run_on_pretend, monkeypatch):
+    keys = []
+    real = reads.fact
+
+    def fact(host, cls, **kwargs):
+        keys.append(FactRequest.of(cls, **kwargs).key)
+        return real(host, cls, **kwargs)
+
+    monkeypatch.setattr(reads, "fact", fact)
+    state = fake_state(pretend.data())  # converged: every operation decides from the listed read
+    add_deploy(state, venv_step.backup, release_at(str(pretend.releases_dir), ACTIVE))
+    add_deploy(state, venv_step.activate, release_at(str(pretend.releases_dir), ACTIVE))
+    target = fake_host_of(state)
+    listed = {request.key for request in venv_step.host_reads(host_settings(target))}
+    assert keys and set(keys) == listed
+
+
+def test_rollback_target_refuses_a_host_with_nothing_to_roll_back_to_naming_what_is_kept(
+        pretend, run_on_pretend, caplog):
+    (pretend.state_dir / "releases.json").write_text(json.dumps({"activations": []}))
+    state = fake_state({**pretend.data()})
+    state.inventory.get_host("@fake/gpu1")
+    with pytest.raises(PyinfraError, match="No hosts remaining"), ctx_state.use(state), \
+            ctx_host.use(fake_host_of(state)):
+        venv_step.rollback_target()
+    assert fake_host_of(state) in state.failed_hosts
+    assert f"refused: nothing to roll back to: no release was active before the last deploy (active: {ACTIVE}; " \
+           f"kept releases: {ACTIVE}, {OTHER})" in caplog.text
+
+
+def test_rollback_target_is_the_release_before_the_last_deploy(pretend, run_on_pretend):
+    state = fake_state(pretend.data())
+    with ctx_state.use(state), ctx_host.use(fake_host_of(state)):
+        assert venv_step.rollback_target() == release_at(str(pretend.releases_dir), OTHER)
+        planned = venv_step.plan()
+        assert venv_step.active_release(host_settings(fake_host_of(state))).id == ACTIVE
+    assert planned.python.startswith(str(pretend.releases_dir) + "/r-") and planned.inputs["arch"] == platform.machine()
+
+
+def test_a_release_directory_is_built_by_one_process_at_a_time(host, tmp_path):
+    """While one build holds the release's guard (here: a process holding its flock), a second
+    build of the same release fails naming the holder, and writes nothing into the directory."""
+    plan, params = build_params(host, venv_index.StackIndex(tmp_path / "unused", "http://127.0.0.1:9"), tmp_path)
+    guard = Path(plan.dir + ".build-guard")
+    guard.parent.mkdir(parents=True)
+    guard.write_text("pid 4242 since 20261201T000000Z\n")
+    holder = subprocess.Popen(["flock", str(guard), "sleep", "30"])
+    try:
+        for _ in range(100):
+            if subprocess.run(["flock", "-n", str(guard), "true"]).returncode != 0:
+                break
+            time.sleep(0.05)
+        code, _, err = run_tool("build", params)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 1
+    assert f"servestack: release {plan.id} is being built by another process (pid 4242 since 20261201T000000Z)" in err
+    assert not os.path.exists(plan.dir)

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from servestack import checks
+from servestack.checks.catalogue import CHECKS
+from servestack.checks.outcome import FAILED, PASSED, SKIPPED
 from servestack.errors import ConfigError
 from servestack.verify import (Backend, Results, backend_for, load_inventory, parse_host_data, render,
                                split_patterns, targets_from_inventory, targets_from_testinfra)
@@ -147,10 +148,10 @@ def test_the_table_lists_checks_in_catalogue_order_with_every_reason():
     from rich.console import Console
 
     results = Results()
-    results.add("service_active", "n1", checks.PASSED, "")
-    results.add("driver_version", "n1", checks.SKIPPED, "no NVIDIA driver answers on n1: nvidia-smi not found")
-    results.add("driver_version", "n2", checks.FAILED, "driver 570.1 on n2 is older than 580.82.07")
-    results.add("driver_version", "n2", checks.PASSED, "")  # a later report never hides a failure
+    results.add("service_active", "n1", PASSED, "")
+    results.add("driver_version", "n1", SKIPPED, "no NVIDIA driver answers on n1: nvidia-smi not found")
+    results.add("driver_version", "n2", FAILED, "driver 570.1 on n2 is older than 580.82.07")
+    results.add("driver_version", "n2", PASSED, "")  # a later report never hides a failure
     console = Console(record=True, width=120)
     render(results, console)
     text = console.export_text()
@@ -170,7 +171,7 @@ def test_the_suite_is_parametrised_per_inventory_host(inventory):
     assert "tests/verify/test_gpu.py::test_driver_version[node-01]" in ids
     assert "tests/verify/test_release.py::test_package_version[node-02-torch]" in ids
     assert not any("@local" in line for line in ids)
-    per_host = len(checks.CHECKS) - 1 + len(targets_from_inventory(inventory, "node-01")[0].settings.packages)
+    per_host = len(CHECKS) - 1 + len(targets_from_inventory(inventory, "node-01")[0].settings.packages)
     assert len(ids) == 2 * per_host
 
 
@@ -213,7 +214,7 @@ def test_an_unreachable_host_fails_each_check_once_tried_without_retrying():
     target = Target("node-09", settings_from_data("node-09", {}), connect, "ssh://10.0.0.9")
     for _ in range(3):
         with pytest.raises(Unreachable, match="cannot run the probes on node-09 .*Connection timed out"):
-            target.probe("host")
+            target.read("host")
     assert len(calls) == 1
     with pytest.raises(pytest.fail.Exception, match="cannot run the probes on node-09"):
         target.check("driver_version")
@@ -243,3 +244,110 @@ def test_loading_an_inventory_leaves_this_process_unpatched_and_closing_fds(inve
     run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["False", "0"]
+
+
+# --- the reports: whole reasons when not a terminal, every row naming its subject ----------------
+
+
+LONG_REASON = ("sglang.service is inactive (dead) on n1: ActiveState=inactive, SubState=dead, UnitFileState=enabled, "
+               "LoadState=loaded, NeedDaemonReload=no; the unit's last start: <urlopen error [Errno 111] Connection "
+               "refused> after 120 s of waiting for GET http://127.0.0.1:30000/health")
+PACKAGES = ("torch", "torchvision", "torchaudio", "sglang", "sgl-kernel", "flashinfer-python")
+
+
+def _results_of_a_fleet(hosts=("n1", "n2", "n3", "n4", "n5", "n6", "n7", "n8")) -> Results:
+    results = Results()
+    for host in hosts:
+        results.add("driver_version", host, PASSED, "")
+        for package in PACKAGES:
+            results.add(f"package_version[{package}]", host, PASSED, "")
+        results.add("service_active", host, FAILED, LONG_REASON.replace("n1", host))
+        results.add("cuda_sample", host, SKIPPED, f"no /dev/nvidiactl on {host}: no GPU device the CUDA runtime could open")
+    results.add("package_version[torch]", "n2", FAILED, "torch 2.9.1+cu128 on n2, expected 2.9.1+cu130")
+    return results
+
+
+def test_not_on_a_terminal_every_reason_is_printed_whole_on_one_line():
+    import io
+
+    from servestack.verify import UNCUT_WIDTH, report_console
+
+    out = io.StringIO()
+    console = report_console(file=out)
+    assert not console.is_terminal and console.width == UNCUT_WIDTH
+    render(_results_of_a_fleet(), console)
+    lines = out.getvalue().splitlines()
+    assert f"failed n8 service_active: {LONG_REASON.replace('n1', 'n8')}" in lines
+    assert "failed n2 package_version[torch]: torch 2.9.1+cu128 on n2, expected 2.9.1+cu130" in lines
+    assert "skipped n3 cuda_sample: no /dev/nvidiactl on n3: no GPU device the CUDA runtime could open" in lines
+    assert "…" not in out.getvalue()
+    assert lines[-1] == "55 passed, 9 failed, 8 skipped on 8 host(s)"
+
+
+def test_every_row_names_its_subject_in_the_order_the_checks_ran():
+    import io
+
+    from servestack.verify import report_console
+
+    out = io.StringIO()
+    render(_results_of_a_fleet(), report_console(file=out))
+    rows = [line.split("│")[1].strip() for line in out.getvalue().splitlines() if line.startswith("│")]
+    assert rows == ["driver_version", "cuda_sample", *[f"package_version[{package}]" for package in PACKAGES],
+                    "service_active"]
+    table_row = next(line for line in out.getvalue().splitlines() if "package_version[torch]" in line)
+    assert table_row.count("pass") == 7 and table_row.count("FAIL") == 1
+
+
+def test_on_a_narrow_terminal_names_fold_instead_of_being_cut():
+    import io
+
+    from servestack.verify import report_console
+
+    out = io.StringIO()
+    console = report_console(file=out, force_terminal=True, width=70, color_system=None)
+    assert console.is_terminal and console.width == 70
+    render(_results_of_a_fleet(), console)
+    text = out.getvalue()
+    assert "…" not in text
+    assert "package_version[torch]: torch 2.9.1+cu128 on n2," in text  # a reason wraps: nothing is lost
+    assert "GET \nhttp://127.0.0.1:30000/health" in text and "55 passed, 9 failed, 8 skipped on 8 host(s)" in text
+
+
+def test_the_totals_show_when_no_check_ran():
+    import io
+
+    from servestack.verify import report_console
+
+    out = io.StringIO()
+    render(Results(), report_console(file=out))
+    assert out.getvalue() == "0 passed, 0 failed, 0 skipped on 0 host(s): no check ran\n"
+
+
+def test_read_all_reads_each_host_and_names_the_one_that_cannot_be_read(tmp_path):
+    import testinfra
+
+    from facts.batch import FactRequest
+    from facts.host import HostLock, LockState
+    from servestack.settings import settings_from_data
+    from servestack.verify import Target, Unreachable, read_all
+
+    def unreachable():
+        raise RuntimeError("ssh: connect to host 10.0.0.9 port 22: No route to host")
+
+    here = Target("here", settings_from_data("here", {}), lambda: testinfra.get_host("local://"), "local://")
+    away = Target("away", settings_from_data("away", {}), unreachable, "ssh://10.0.0.9")
+    (tmp_path / "lock").write_text('{"run_id": "r1", "started": "20260107T095900Z", "pid": null}\n')
+    found = read_all([here, away], lambda target: [FactRequest.of(HostLock, state_dir=str(tmp_path))])
+    assert list(found) == ["here", "away"]
+    [lock] = found["here"]
+    assert isinstance(lock, LockState) and lock.present and lock.run_id == "r1"
+    assert isinstance(found["away"], Unreachable) and "No route to host" in str(found["away"])
+
+
+def test_reports_other_than_verify_refuse_this_machine_unless_allowed(tmp_path):
+    path = tmp_path / "inventory.py"
+    path.write_text('hosts = [("localhost", {}), ("@local", {"servestack_allow_local": True}), ("10.0.0.1", {})]\n')
+    with pytest.raises(ConfigError, match=r"cannot read the hosts' status:\nhost localhost: 'localhost' is this machine"):
+        targets_from_inventory(path, action="read the hosts' status", local=False)
+    assert [target.name for target in targets_from_inventory(path, "@local,10.*", local=False)] == ["@local", "10.0.0.1"]
+    assert len(targets_from_inventory(path)) == 3  # the verification suite checks wherever it is pointed

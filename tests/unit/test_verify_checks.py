@@ -1,11 +1,13 @@
-"""The verification checks: the probe scripts run with real sh on a fake host tree built from
-outputs captured on a real H200 host (tests/fixtures/h200-ubuntu2404), and the judgements on them."""
+"""The verification checks: their facts' commands (files/scripts/verify-*) run with real sh on a
+fake host tree built from outputs captured on a real H200 host (tests/fixtures/h200-ubuntu2404),
+and the judgements on what they read."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,12 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from facts.toolkit import fingerprint_command, parse_fingerprint
-from servestack import checks
-from servestack.checks import Probe, Section, parse_sections
+from facts.framing import BEGIN, Section
+from facts.gpu import parse_gpu_output
+from facts.toolkit import fingerprint_command, parse_fingerprint, parse_toolkits
+from facts.verify import MARK, OUTPUT, SAMPLE_SOURCE, HostReport, VerifyHost, parse_host_report, reporting, reported
+from operations.toolkit import kept_paths
+from servestack.checks.catalogue import CHECKS, CHECKS_BY_NAME, groups_for
+from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
+from servestack.checks.parse import patch_record_for, report
+from servestack.checks.readings import GROUPS, Readings, read_batch, requests
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.sandbox.standins.toolkit import nvcc_version_text
+from servestack.scripts import script_text
 from servestack.settings import settings_from_data
+
+STATE = ("gpu", "toolkit", "kept", "host")
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "h200-ubuntu2404"
@@ -57,10 +68,10 @@ class FakeHost:
         self.nvcc(self.cuda, nvcc)
         dpkg = {line.split()[1]: line.split()[2] for line in real("dpkg-cuda.txt")[0].splitlines()}
         write_script(self.bin / "dpkg", '#!/bin/sh\n[ "$1" = -S ] && echo "cuda-nvcc-13-0: $2"\n')
-        self.dpkg_admin = root / "var" / "lib" / "dpkg"  # the package lists the probe greps first
+        self.dpkg_admin = root / "var" / "lib" / "dpkg"  # the package lists verify-host.sh greps first
         (self.dpkg_admin / "info").mkdir(parents=True)
         (self.dpkg_admin / "info" / "cuda-nvcc-13-0.list").write_text(f"/usr/local\n{self.cuda}/bin/nvcc\n")
-        write_script(self.bin / "dpkg-query", (  # the two queries the probe makes, answered from the real list
+        write_script(self.bin / "dpkg-query", (  # the two queries verify-host.sh makes, answered from the real list
             '#!/bin/sh\ncase "$*" in\n'
             f'*Status-Abbrev*) echo "ii  cuda-compiler-13-0 {dpkg["cuda-compiler-13-0"]}";;\n'
             f'*) echo "dpkg cuda-nvcc-13-0 {dpkg["cuda-nvcc-13-0"]}";;\nesac\n'))
@@ -90,16 +101,17 @@ class FakeHost:
         assert result.returncode == 0, result.stderr
         return result.stdout
 
-    def probe(self, settings, *groups: str) -> Probe:
-        probe = Probe("h200")
-        for group in groups or ("host",):
-            probe.sections.update(parse_sections(self.run(checks.SCRIPTS[group](settings))))
-        return probe
+    def read(self, settings, *groups: str) -> Readings:
+        """What the checks of `groups` (default: the host's state) read here, as they read a host."""
+        readings = Readings("h200")
+        for group in groups or STATE:
+            readings.store(group, read_batch(self.run, requests(settings, group, readings)))
+        return readings
 
     def record(self, settings, link_resolved: str | None = None) -> None:
         """toolkits.json as the toolkit step writes it: kept toolkits' fingerprints, the link chain."""
         toolkits = {}
-        for path in checks.kept_toolkit_paths(settings):
+        for path in kept_paths(settings):
             lines = self.run(fingerprint_command(path)).splitlines()
             toolkits[path] = parse_fingerprint(path, lines).to_record()
         link = {"path": str(self.local / "cuda"), "hops": [], "resolved": link_resolved, "kind": "link"}
@@ -111,79 +123,62 @@ def h200(tmp_path) -> FakeHost:
     return FakeHost(tmp_path)
 
 
-def outcome(check: str, settings, probe, *args) -> checks.Outcome:
-    return checks.CHECKS_BY_NAME[check].judge(settings, probe, *args)
+def outcome(check: str, settings, readings, *args) -> Outcome:
+    return CHECKS_BY_NAME[check].outcome(settings, readings, *args)
 
 
-# --- sections -----------------------------------------------------------------------------
+# --- the facts' commands ----------------------------------------------------------------
 
 
-def test_sections_keep_each_output_and_exit_status():
-    text = (f"{checks.MARK} begin a\nline 1\nline 2\n{checks.MARK} end a 0\n"
-            f"noise\n{checks.MARK} begin b\n{checks.MARK} end b 127\n{checks.MARK} begin d\n"
-            f'{{"no": "newline"}}{checks.MARK} end d 0\n{checks.MARK} begin c\ncut off')
-    sections = parse_sections(text)
-    assert sections["a"] == Section(0, "line 1\nline 2")
-    assert sections["b"] == Section(127, "")
-    assert sections["d"] == Section(0, '{"no": "newline"}')
-    assert sections["c"] == Section(None, "cut off") and not sections["c"].ok
-    assert Probe("h")["missing"].rc is None
+def test_a_reported_command_keeps_its_output_and_exit_status():
+    def run(command):
+        return reported(subprocess.run(["sh", "-c", reporting(command)], capture_output=True, text=True)
+                        .stdout.splitlines())
+
+    assert run("echo line 1; echo line 2 >&2") == Section(0, ("line 1", "line 2"))
+    assert run("printf '{\"no\": \"newline\"}'; exit 3") == Section(3, ('{"no": "newline"}',))
+    assert run("echo a; echo") == Section(0, ("a", ""))
+    assert run("exit 127") == Section(127, ())
+    assert reported([BEGIN + OUTPUT, "cut off"]) == Section(None, ("cut off",))
 
 
-def test_every_probe_script_is_valid_posix_sh_and_always_exits_0(h200):
+def test_every_read_is_valid_sh_and_succeeds_where_nothing_is_installed(h200):
+    """pyinfra fails a host whose fact command fails: the checks' reads report what is missing."""
     settings = h200.settings(service_secret_env=["HF_TOKEN"], service_env={"NCCL_P2P_DISABLE": "1"})
-    scripts = [script(settings) for script in checks.SCRIPTS.values()]
-    scripts.append(checks.patches_script(settings, None))
-    for script in scripts:
-        assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
-        assert script.rstrip().endswith("exit 0")
-    assert len(checks.host_script(settings)) < 32 * 1024  # one SSH argument, well under Linux's 128 KiB
+    for group in GROUPS:
+        for request in requests(settings, group, Readings("h200")):
+            command = request.command()
+            assert subprocess.run(["sh", "-n", "-c", command]).returncode == 0, group
+            h200.run(command)  # exits 0
+    for name in ("verify-host.sh", "verify-sample.sh", "verify-http.sh"):
+        assert subprocess.run(["bash", "-n", "-c", script_text(name)]).returncode == 0, name
+    assert len(requests(settings, "host")[0].command()) < 32 * 1024  # one SSH argument, well under 128 KiB
 
 
-def test_the_host_script_replays_the_gpu_output_preflight_read_instead_of_asking_again(h200):
-    """The deploy's verify step hands in what preflight read: same section, same checks, no nvidia-smi."""
-    from facts.gpu import gpu_command
-    from facts.preflight import HostPreflight
-
-    settings = h200.settings()
-    read = HostPreflight().process(h200.run("echo '@@section gpu'; ( " + gpu_command() + " )").splitlines())
-    assert read.gpu_output and read.gpu.gpus
-    live = parse_sections(h200.run(checks.host_script(settings)))
-    write_script(h200.bin / "nvidia-smi", "#!/bin/sh\necho asked >&2; exit 9\n")  # must not be run
-    replayed = parse_sections(h200.run(checks.host_script(settings, replay={"gpu": read.gpu_output})))
-    assert replayed["gpu"] == live["gpu"]
-    assert "asked" not in replayed["gpu"].text
-    probe = Probe("h200")
-    probe.sections.update(replayed)
-    assert outcome("gpu_capability", settings, probe).passed
+@pytest.mark.parametrize("name", ["verify-host.sh", "verify-sample.sh", "verify-http.sh", "verify-python.py",
+                                  "verify-http.py"])
+def test_each_verify_script_states_its_contract_at_the_top(name):
+    text = script_text(name)
+    assert text.startswith(f"# {name} " if name.endswith(".sh") else f'"""{name} ')
+    assert "Output" in text and "Exit: " in text
 
 
-def test_the_host_script_replays_the_toolkit_tree_and_link_the_toolkit_step_read(h200):
-    """The toolkit step's read (CudaToolkits) ran the same commands: same sections, same state digest
-    and judgements, and neither nvcc nor readlink runs again."""
-    from facts.toolkit import CudaToolkits
-    from operations.toolkit import toolkit_fact_arguments
+def test_the_gpus_and_toolkits_are_read_with_the_steps_own_facts(h200):
+    """The GPUs as preflight reads them, the toolkits as the toolkit step does: one read each per
+    stage while nothing changed (servestack.reads), nvidia-smi and nvcc once."""
+    from operations import preflight, toolkit
 
     settings = h200.settings()
-    h200.record(settings, link_resolved=str(h200.cuda))
-    arguments = toolkit_fact_arguments(settings)
-    read = CudaToolkits().process(h200.run(CudaToolkits().command(**arguments)).splitlines())
-    live = parse_sections(h200.run(checks.host_script(settings)))
+    assert requests(settings, "gpu")[0].key in {request.key for request in preflight.host_reads(settings)}
+    assert requests(settings, "toolkit")[0].key in {request.key for request in toolkit.host_reads(settings)}
+
+
+def test_the_toolkit_path_of_a_directory_is_resolved_without_readlink(h200):
+    settings = h200.settings()
     started = h200.root / "started"
-    h200.nvcc(h200.cuda, "")
-    write_script(h200.cuda / "bin" / "nvcc", f"#!/bin/sh\necho nvcc >> {started}; exit 9\n")
     write_script(h200.bin / "readlink", f"#!/bin/sh\necho readlink >> {started}; exec /bin/readlink \"$@\"\n")
-    replay = {section: read.section_lines(section) for section in ("tree", "link")}
-    replayed = parse_sections(h200.run(checks.host_script(settings, replay=replay)))
-    assert {name: replayed[name] for name in ("tree", "link")} == {name: live[name] for name in ("tree", "link")}
-    assert "nvcc" in live["tree"].text and "link_resolved" in live["link"].text
-    assert not started.exists()  # no nvcc, and toolkit_path resolves its directory with shell builtins
-    judged = []
-    for sections in (live, replayed):
-        probe = Probe("h200")
-        probe.sections.update(sections)
-        judged.append([outcome(name, settings, probe) for name in ("nvcc_version", "version_json", "cuda_link")])
-    assert judged[0] == judged[1] and judged[0][0].passed and judged[0][2].passed
+    assert h200.read(settings, "host").host.toolkit_path == str(h200.cuda)
+    assert not started.exists()
 
 
 # --- GPU: the real H200's nvidia-smi ------------------------------------------------------
@@ -191,28 +186,28 @@ def test_the_host_script_replays_the_toolkit_tree_and_link_the_toolkit_step_read
 
 def test_the_real_h200_passes_the_gpu_checks_with_its_own_expectations(h200):
     settings = h200.settings()
-    probe = h200.probe(settings)
-    assert outcome("driver_version", settings, probe).detail == "driver 580.159.04 >= 580.82.07"
-    assert outcome("gpu_capability", settings, probe).passed
-    assert outcome("gpu_count", settings, probe).passed
+    readings = h200.read(settings)
+    assert outcome("driver_version", settings, readings).detail == "driver 580.159.04 >= 580.82.07"
+    assert outcome("gpu_capability", settings, readings).passed
+    assert outcome("gpu_count", settings, readings).passed
 
 
 def test_the_h200_fails_the_sm120_expectations_naming_the_gpu(h200):
     settings = h200.settings(gpu_compute_capability="12.0", gpu_count=8, service_tp=8)
-    probe = h200.probe(settings)
-    capability = outcome("gpu_capability", settings, probe)
-    assert capability.status == checks.FAILED
+    readings = h200.read(settings)
+    capability = outcome("gpu_capability", settings, readings)
+    assert capability.status == FAILED
     assert capability.detail == ("expected compute capability 12.0 on h200: "
                                  "GPU 0 (NVIDIA H200, 00000000:00:06.0) reports 9.0")
-    assert outcome("gpu_count", settings, probe).detail == "nvidia-smi lists 1 GPU(s) on h200, host data gpu_count is 8"
+    assert outcome("gpu_count", settings, readings).detail == "nvidia-smi lists 1 GPU(s) on h200, host data gpu_count is 8"
 
 
 def test_driver_versions_compare_as_versions_not_strings(h200):
     settings = h200.settings()
     smi = h200.bin / "nvidia-smi"
     smi.write_text(smi.read_text().replace("580.159.04", "580.65.06"))  # "580.65" > "580.159" as text
-    result = outcome("driver_version", settings, h200.probe(settings))
-    assert result.status == checks.FAILED and "580.65.06 on h200 is older than the manifest minimum 580.82.07" in result.detail
+    result = outcome("driver_version", settings, h200.read(settings))
+    assert result.status == FAILED and "580.65.06 on h200 is older than the manifest minimum 580.82.07" in result.detail
 
 
 def test_without_a_driver_gpu_checks_are_skipped_with_the_reason(h200):
@@ -220,8 +215,8 @@ def test_without_a_driver_gpu_checks_are_skipped_with_the_reason(h200):
     (h200.bin / "nvidia-smi").unlink()
     write_script(h200.bin / "nvidia-smi", "#!/bin/sh\necho 'NVIDIA-SMI has failed because it couldn'\"'\"'t "
                                           "communicate with the NVIDIA driver.'\nexit 9\n")
-    result = outcome("driver_version", settings, h200.probe(settings))
-    assert result.status == checks.SKIPPED
+    result = outcome("driver_version", settings, h200.read(settings))
+    assert result.status == SKIPPED
     assert result.detail.startswith("no NVIDIA driver answers on h200: nvidia-smi failed (exit 9): NVIDIA-SMI has failed")
 
 
@@ -230,79 +225,79 @@ def test_without_a_driver_gpu_checks_are_skipped_with_the_reason(h200):
 
 def test_a_distribution_packaged_toolkit_is_judged_by_its_packages(h200):
     settings = h200.settings()
-    probe = h200.probe(settings)
-    assert outcome("nvcc_version", settings, probe).detail.endswith("reports release 13.0, V13.0.88")
-    result = outcome("version_json", settings, probe)
-    assert result.status == checks.FAILED  # nvcc 13.0.88 is in 13.0.1 and 13.0.2: not confirmed as 13.0.1
+    readings = h200.read(settings)
+    assert outcome("nvcc_version", settings, readings).detail.endswith("reports release 13.0, V13.0.88")
+    result = outcome("version_json", settings, readings)
+    assert result.status == FAILED  # nvcc 13.0.88 is in 13.0.1 and 13.0.2: not confirmed as 13.0.1
     assert result.detail == (
         f"{h200.cuda}/version.json is missing on h200: a toolkit from dpkg package cuda-nvcc-13-0 13.0.88-1, "
         "release cuda-compiler-13-0 13.0.2-1, which cannot be confirmed as CUDA 13.0.1 (its nvcc 13.0.88 is "
         "shared by other releases); host data cuda_existing_toolkit = 'accept' accepts it")
     accepted = h200.settings(cuda_existing_toolkit="accept")
-    result = outcome("version_json", accepted, h200.probe(accepted))
+    result = outcome("version_json", accepted, h200.read(accepted))
     assert result.passed and "release cuda-compiler-13-0 13.0.2-1; nvcc 13.0.88 as pinned, accepted" in result.detail
 
 
 def test_version_json_missing_with_no_owner_fails(h200):
     settings = h200.settings(cuda_existing_toolkit="accept")
     write_script(h200.bin / "dpkg", "#!/bin/sh\nexit 1\n")
-    result = outcome("version_json", settings, h200.probe(settings))
-    assert result.status == checks.FAILED and "version.json is missing on h200 and no package owns" in result.detail
+    result = outcome("version_json", settings, h200.read(settings))
+    assert result.status == FAILED and "version.json is missing on h200 and no package owns" in result.detail
 
 
 def test_a_toolkit_assembled_from_nvidia_wheels_is_recognised_by_their_dist_info(h200):
     settings = h200.settings(cuda_existing_toolkit="accept")
     write_script(h200.bin / "dpkg", "#!/bin/sh\nexit 1\n")
     (h200.cuda / "dist-info" / "nvidia_cuda_nvcc-13.0.88.dist-info").mkdir(parents=True)
-    result = outcome("version_json", settings, h200.probe(settings))
+    result = outcome("version_json", settings, h200.read(settings))
     assert result.passed and "toolkit from wheel package nvidia-cuda-nvcc 13.0.88;" in result.detail
 
 
 def test_a_toolkit_with_version_json_is_not_looked_up_in_the_package_lists(h200):
     """The package query only serves a toolkit without version.json (the runfile's has one)."""
     settings = h200.settings()
-    assert h200.probe(settings)["toolkit_package"].text.startswith("dpkg cuda-nvcc-13-0")
+    assert h200.read(settings, "host").host.toolkit_package[0] == "dpkg cuda-nvcc-13-0 13.0.88-1"
     (h200.cuda / "version.json").write_text(json.dumps(
         {"cuda": {"name": "CUDA SDK", "version": "13.0.1"}, "cuda_nvcc": {"name": "CUDA NVCC", "version": "13.0.88"}}))
     write_script(h200.bin / "grep", "#!/bin/sh\necho grep ran >&2; exit 2\n")
-    probe = h200.probe(settings)
-    assert probe["toolkit_package"] == Section(0, "")
-    assert outcome("version_json", settings, probe).passed
+    readings = h200.read(settings)
+    assert readings.host.toolkit_package == ()
+    assert outcome("version_json", settings, readings).passed
 
 
 @pytest.mark.parametrize("cuda, nvcc_version, status", [
-    ("13.0.1", "13.0.88", checks.PASSED), ("13.0.20250801", "13.0.88", checks.PASSED),
-    ("13.0.2", "13.0.88", checks.FAILED), ("13.0.1", "12.8.93", checks.FAILED)])
+    ("13.0.1", "13.0.88", PASSED), ("13.0.20250801", "13.0.88", PASSED),
+    ("13.0.2", "13.0.88", FAILED), ("13.0.1", "12.8.93", FAILED)])
 def test_version_json_of_a_runfile_install_must_agree(h200, cuda, nvcc_version, status):
     settings = h200.settings()
     write_script(h200.bin / "dpkg", "#!/bin/sh\nexit 1\n")  # a runfile install belongs to no package
     (h200.cuda / "version.json").write_text(json.dumps(
         {"cuda": {"name": "CUDA SDK", "version": cuda}, "cuda_nvcc": {"name": "CUDA NVCC", "version": nvcc_version}}))
-    assert outcome("version_json", settings, h200.probe(settings)).status == status
+    assert outcome("version_json", settings, h200.read(settings)).status == status
 
 
 def test_a_wrong_nvcc_fails(h200):
     settings = h200.settings()
     h200.nvcc(h200.cuda, nvcc_version_text("12.8.93"))
-    result = outcome("nvcc_version", settings, h200.probe(settings))
-    assert result.status == checks.FAILED and "reports V12.8.93, the manifest pins V13.0.88" in result.detail
+    result = outcome("nvcc_version", settings, h200.read(settings))
+    assert result.status == FAILED and "reports V12.8.93, the manifest pins V13.0.88" in result.detail
 
 
 def test_the_alternatives_chain_counts_by_where_it_ends(h200):
     settings = h200.settings(cuda_link_policy="new")
-    result = outcome("cuda_link", settings, h200.probe(settings))
+    result = outcome("cuda_link", settings, h200.read(settings))
     assert result.passed, result.detail
     assert f"{h200.local}/cuda -> {h200.root}/etc/alternatives/cuda -> {h200.cuda}" in result.detail
 
 
 def test_link_policy_keep_compares_with_the_record_taken_before_the_install(h200):
     settings = h200.settings(cuda_link_policy="keep")
-    assert "no record of where" in outcome("cuda_link", settings, h200.probe(settings)).detail
+    assert "no record of where" in outcome("cuda_link", settings, h200.read(settings)).detail
     h200.record(settings, link_resolved=str(h200.local / "cuda-12.8"))
-    result = outcome("cuda_link", settings, h200.probe(settings))
-    assert result.status == checks.FAILED and f"before the install, now {h200.local}/cuda ->" in result.detail
+    result = outcome("cuda_link", settings, h200.read(settings))
+    assert result.status == FAILED and f"before the install, now {h200.local}/cuda ->" in result.detail
     h200.record(settings, link_resolved=str(h200.cuda))
-    assert outcome("cuda_link", settings, h200.probe(settings)).passed
+    assert outcome("cuda_link", settings, h200.read(settings)).passed
 
 
 def test_the_kept_toolkit_must_keep_its_recorded_fingerprint(h200):
@@ -311,13 +306,13 @@ def test_the_kept_toolkit_must_keep_its_recorded_fingerprint(h200):
     h200.nvcc(kept, nvcc_version_text("12.8.93"))
     (kept / "lib64").mkdir()
     (kept / "lib64" / "libcudart.so.12").write_bytes(b"x" * 100)
-    assert outcome("kept_toolkits", settings, h200.probe(settings)).status == checks.FAILED  # no record yet
+    assert outcome("kept_toolkits", settings, h200.read(settings)).status == FAILED  # no record yet
     h200.record(settings)
-    result = outcome("kept_toolkits", settings, h200.probe(settings))
+    result = outcome("kept_toolkits", settings, h200.read(settings))
     assert result.detail == f"{kept} unchanged (4 files, nvcc 12.8.93)"
     (kept / "lib64" / "libcudart.so.12").write_bytes(b"x" * 101)  # "a changed 12.8 file"
-    result = outcome("kept_toolkits", settings, h200.probe(settings))
-    assert result.status == checks.FAILED
+    result = outcome("kept_toolkits", settings, h200.read(settings))
+    assert result.status == FAILED
     assert result.detail == (f"on h200: {kept} changed since it was recorded: "
                              "file list or sizes changed (4 files before, 4 now)")
 
@@ -325,33 +320,33 @@ def test_the_kept_toolkit_must_keep_its_recorded_fingerprint(h200):
 # --- the CUDA sample ------------------------------------------------------------------------
 
 
-def sample_probe(rc: int, text: str) -> Probe:
-    return Probe("h200", {"sample": Section(rc, text)})
+def sample_read(rc: int, text: str) -> Readings:
+    return Readings("h200", sample=Section(rc, tuple(text.splitlines())))
 
 
 def test_the_sample_passes_only_when_every_device_added_correctly(h200):
     settings = h200.settings()
     good = ('nvcc -gencode arch=compute_90,code=sm_90\n'
             'device 0 sm_90 "NVIDIA H200": PASS bad=0/1048576 launch=no error sync=no error\ndevices 1: PASS')
-    assert outcome("cuda_sample", settings, sample_probe(0, good)).passed
+    assert outcome("cuda_sample", settings, sample_read(0, good)).passed
     wrong_arch = ('nvcc -gencode arch=compute_120,code=sm_120\n'
                   'device 0 sm_90 "NVIDIA H200": FAIL bad=1048576/1048576 launch=no error sync=no error\n'
                   'devices 1: FAIL')
-    result = outcome("cuda_sample", settings, sample_probe(1, wrong_arch))
-    assert result.status == checks.FAILED and "FAIL bad=1048576/1048576" in result.detail
+    result = outcome("cuda_sample", settings, sample_read(1, wrong_arch))
+    assert result.status == FAILED and "FAIL bad=1048576/1048576" in result.detail
 
 
 def test_the_sample_reports_compiler_failures_and_skips_without_a_gpu_device(h200):
     settings = h200.settings()
-    result = outcome("cuda_sample", settings, sample_probe(7, "nvcc -gencode arch=compute_90,code=sm_90\n"
+    result = outcome("cuda_sample", settings, sample_read(7, "nvcc -gencode arch=compute_90,code=sm_90\n"
                                                                "nvcc fatal : cannot find g++\nnvcc failed"))
-    assert result.status == checks.FAILED and "cannot find g++" in result.detail
-    assert outcome("cuda_sample", settings, sample_probe(4, "no /dev/nvidiactl")).detail == (
+    assert result.status == FAILED and "cannot find g++" in result.detail
+    assert outcome("cuda_sample", settings, sample_read(4, "no /dev/nvidiactl")).detail == (
         "no /dev/nvidiactl on h200: no GPU device the CUDA runtime could open")
 
 
 def test_the_sample_source_checks_launch_errors_and_every_result():
-    source = checks.SAMPLE_SOURCE.read_text()
+    source = SAMPLE_SOURCE.read_text()
     assert "cudaGetLastError()" in source and "cudaDeviceSynchronize()" in source
     assert "c[i] != 3.0f * (float)i" in source
 
@@ -360,28 +355,55 @@ def test_the_sample_script_skips_where_there_is_no_gpu_device_node(h200):
     settings = h200.settings()
     if Path("/dev/nvidiactl").exists():
         pytest.skip("this machine has an NVIDIA device node")
-    assert h200.probe(settings, "sample")["sample"].rc == 4
+    assert h200.read(settings, "sample").sample.rc == 4
+
+
+def run_sample_script(h200, nvcc: str, sample: str) -> Section:
+    """verify-sample.sh with stand-ins for nvidia-smi and nvcc (whose program prints $SAMPLE), its
+    device node test taken as passed (this machine has no GPU)."""
+    write_script(h200.bin / "nvidia-smi", "#!/bin/sh\nprintf '9.0\\n9.0\\n'\n")
+    write_script(h200.bin / "nvcc", "#!/bin/sh\n" + nvcc)
+    env = {"NVCC": str(h200.bin / "nvcc"), "WORK_PARENT": str(h200.state), "SOURCE": SAMPLE_SOURCE.read_text(),
+           "PATH": f"{h200.bin}:{os.environ['PATH']}", "SAMPLE": sample}
+    text = script_text("verify-sample.sh").replace("test -e /dev/nvidiactl", "true")  # no device node here
+    run = subprocess.run(["bash", "-c", reporting(f"bash -c {shlex.quote(text)} verify-sample.sh")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    return reported(run.stdout.splitlines())
+
+
+def test_the_sample_script_builds_for_each_gpu_architecture_once_and_cleans_up(h200):
+    # the stand-in nvcc writes a program printing $SAMPLE, from the flags and -o it was given
+    nvcc = ('echo "flags: $*" | sed "s# -o .*##"; while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
+            'printf "#!/bin/sh\\nprintf \'%%s\\\\n\' \\"\\$SAMPLE\\"\\n" > "$out"; chmod +x "$out"\n')
+    result = run_sample_script(h200, nvcc, "devices 2: PASS")
+    assert result.rc == 0, result
+    assert result.lines[0] == "nvcc -gencode arch=compute_90,code=sm_90"
+    assert result.lines[-1] == "devices 2: PASS"
+    assert list(h200.state.iterdir()) == []  # the work directory is gone
+    failed = run_sample_script(h200, "echo 'nvcc fatal : cannot find g++' >&2; exit 1\n", "")
+    assert failed.rc == 7 and "nvcc fatal : cannot find g++" in failed.lines and failed.lines[-1] == "nvcc failed"
+    assert list(h200.state.iterdir()) == []
 
 
 # --- the release: torch and packages ------------------------------------------------------
 
 
-def torch_report(**torch) -> Probe:
+def torch_report(**torch) -> Readings:
     text, _ = real("torch.txt")
     version, cuda = text.splitlines()[1].split()
     info = {"version": version, "cuda": cuda, "available": True, "count": 1, "names": ["NVIDIA H200"],
             "capabilities": [[9, 0]], "ops": [{"device": 0, "sum": 1047552.0, "matmul": 262144.0}], **torch}
     packages = {package.name: package.version for package in load_manifest().packages}
-    report = {"prefix": "/opt/ml-env", "packages": packages, "torch": info}
-    return Probe("h200", {"python": Section(0, "warning: noise\n" + checks.MARK + json.dumps(report))})
+    found = {"prefix": "/opt/ml-env", "packages": packages, "torch": info}
+    return Readings("h200", python=Section(0, ("warning: noise", MARK + json.dumps(found))))
 
 
 def test_the_real_h200_torch_passes_the_torch_checks(h200):
     settings = h200.settings()
-    probe = torch_report()
-    assert outcome("torch_cuda_build", settings, probe).detail == "torch 2.11.0+cu130, torch.version.cuda == '13.0'"
-    assert outcome("torch_device_capability", settings, probe).passed
-    assert outcome("torch_cuda_op", settings, probe).passed
+    readings = torch_report()
+    assert outcome("torch_cuda_build", settings, readings).detail == "torch 2.11.0+cu130, torch.version.cuda == '13.0'"
+    assert outcome("torch_device_capability", settings, readings).passed
+    assert outcome("torch_cuda_op", settings, readings).passed
 
 
 def test_torch_checks_fail_on_the_wrong_gpu_or_result_and_skip_without_cuda(h200):
@@ -389,23 +411,23 @@ def test_torch_checks_fail_on_the_wrong_gpu_or_result_and_skip_without_cuda(h200
     assert "torch sees 1: cuda:0 is (9, 0)" in outcome("torch_device_capability", settings, torch_report()).detail
     wrong = torch_report(ops=[{"device": 0, "error": "CUDA error: no kernel image is available for execution"}])
     assert "no kernel image" in outcome("torch_cuda_op", settings, wrong).detail
-    assert outcome("torch_cuda_build", settings, torch_report(cuda="12.8")).status == checks.FAILED
+    assert outcome("torch_cuda_build", settings, torch_report(cuda="12.8")).status == FAILED
     no_gpu = torch_report(available=False)
     assert outcome("torch_cuda_op", settings, no_gpu).detail == "torch.cuda.is_available() is False on h200"
-    assert outcome("sglang_sm120", settings, no_gpu).status == checks.SKIPPED
+    assert outcome("sglang_sm120", settings, no_gpu).status == SKIPPED
 
 
 def test_package_versions_must_match_local_labels_too(h200):
     settings = h200.settings()
-    probe = torch_report()
-    assert outcome("package_version", settings, probe, "torch").detail == "torch 2.9.1+cu130"
-    report = probe["python"].json()
-    report["packages"]["torch"] = "2.9.1+cu128"
-    report["packages"]["sgl-kernel"] = None
-    probe = Probe("h200", {"python": Section(0, checks.MARK + json.dumps(report))})
-    assert outcome("package_version", settings, probe, "torch").detail == (
+    readings = torch_report()
+    assert outcome("package_version", settings, readings, "torch").detail == "torch 2.9.1+cu130"
+    found = report(readings.python)
+    found["packages"]["torch"] = "2.9.1+cu128"
+    found["packages"]["sgl-kernel"] = None
+    readings = Readings("h200", python=Section(0, (MARK + json.dumps(found),)))
+    assert outcome("package_version", settings, readings, "torch").detail == (
         "torch 2.9.1+cu128 in /opt/ml-env on h200, expected 2.9.1+cu130")
-    assert "sgl-kernel is not installed" in outcome("package_version", settings, probe, "sgl-kernel").detail
+    assert "sgl-kernel is not installed" in outcome("package_version", settings, readings, "sgl-kernel").detail
 
 
 def test_the_python_probe_runs_in_the_venv_and_reports_what_is_missing(h200, tmp_path):
@@ -418,94 +440,117 @@ def test_the_python_probe_runs_in_the_venv_and_reports_what_is_missing(h200, tmp
         "class cuda:\n    is_available = staticmethod(lambda: False)\n")
     (site / "torch-2.9.1+cu128.dist-info").mkdir()
     (site / "torch-2.9.1+cu128.dist-info" / "METADATA").write_text("Name: torch\nVersion: 2.9.1+cu128\n")
-    probe = h200.probe(settings, "python")
-    assert outcome("torch_cuda_build", settings, probe).detail.endswith("is built for CUDA 12.8, expected 13.0")
-    assert "torch 2.9.1+cu128 in" in outcome("package_version", settings, probe, "torch").detail
-    assert "flashinfer-python is not installed" in outcome("package_version", settings, probe, "flashinfer-python").detail
-    assert outcome("torch_cuda_op", settings, probe).status == checks.SKIPPED
-    assert "ModuleNotFoundError" in probe["python"].json()["sm120_error"]
+    readings = h200.read(settings, "python")
+    assert outcome("torch_cuda_build", settings, readings).detail.endswith("is built for CUDA 12.8, expected 13.0")
+    assert "torch 2.9.1+cu128 in" in outcome("package_version", settings, readings, "torch").detail
+    assert "flashinfer-python is not installed" in outcome("package_version", settings, readings, "flashinfer-python").detail
+    assert outcome("torch_cuda_op", settings, readings).status == SKIPPED
+    assert "ModuleNotFoundError" in report(readings.python)["sm120_error"]
 
 
 def test_a_missing_venv_python_fails_the_release_checks(h200):
     settings = h200.settings()
-    result = outcome("torch_cuda_build", settings, h200.probe(settings, "python"))
-    assert result.status == checks.FAILED and "no python at" in result.detail
+    result = outcome("torch_cuda_build", settings, h200.read(settings, "python"))
+    assert result.status == FAILED and "no python at" in result.detail and "(exit 127)" in result.detail
 
 
 # --- patches --------------------------------------------------------------------------------
 
 
-def patch_probe(record: str = "current", state: str = "applied") -> Probe:
-    report = {"installed": True, "version": "0.5.9", "patch_set": "0.5.9", "record": record,
-              "record_path": "/opt/servestack/releases/r-1/patches.json",
-              "patches": [{"name": "0001-sm120-torch-symm-mem", "state": state}]}
-    return Probe("h200", {"patches": Section(0, json.dumps(report))})
+def patch_read(record: str = "current", state: str = "applied") -> Readings:
+    found = {"installed": True, "version": "0.5.9", "patch_set": "0.5.9", "record": record,
+             "record_path": "/opt/servestack/releases/r-1/patches.json",
+             "patches": [{"name": "0001-sm120-torch-symm-mem", "state": state}]}
+    return Readings("h200", patches=Section(0, (json.dumps(found),)))
 
 
 def test_patches_must_be_applied_and_match_their_record(h200):
     settings = h200.settings()
-    assert outcome("patches_applied", settings, patch_probe()).passed
-    modified = outcome("patches_applied", settings, patch_probe(record="stale"))
-    assert modified.status == checks.FAILED and "is stale" in modified.detail
-    assert "is conflict" in outcome("patches_applied", settings, patch_probe(state="conflict")).detail
+    assert outcome("patches_applied", settings, patch_read()).passed
+    modified = outcome("patches_applied", settings, patch_read(record="stale"))
+    assert modified.status == FAILED and "is stale" in modified.detail
+    assert "is conflict" in outcome("patches_applied", settings, patch_read(state="conflict")).detail
 
 
-def test_the_patch_record_of_the_active_release_is_chosen_from_the_probe():
-    probe = Probe("h", {"release": Section(0, "venv\t/opt/r/r-1/venv\nrecord\t/opt/r/r-1/patches.json")})
-    assert checks.patch_record_for(probe) == "/opt/r/r-1/patches.json"
-    assert checks.patch_record_for(Probe("h", {"release": Section(0, "venv\t/opt/r/r-1/venv")})) is None
+def test_the_patch_check_reports_a_missing_python_as_the_check_says(h200):
+    settings = h200.settings()
+    result = outcome("patches_applied", settings, h200.read(settings, "host", "patches"))
+    assert result.status == FAILED and result.detail == f"no python at {settings.venv_path}/bin/python on h200"
+
+
+def test_the_patch_record_of_the_active_release_is_chosen_from_what_the_host_read():
+    assert patch_record_for(HostReport(venv="/opt/r/r-1/venv", records=("/opt/r/r-1/patches.json",))) == \
+        "/opt/r/r-1/patches.json"
+    assert patch_record_for(HostReport(venv="/opt/r/r-1/venv")) is None
+
+
+def test_the_host_script_finds_the_active_release_and_its_records(h200):
+    release = h200.root / "opt" / "servestack" / "releases" / "r-1"
+    site = release / "venv" / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    (release / "patches.json").write_text("{}")
+    (h200.root / "opt" / "ml-env").symlink_to(release / "venv")
+    host = h200.read(h200.settings(), "host").host
+    assert host.venv == str(release / "venv")
+    assert host.records == (str(release / "patches.json"),)
+    record_sha256 = "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"  # of "{}"
+    assert [line.split()[0] for line in host.release_state] == [str(site), record_sha256]
 
 
 # --- the service ------------------------------------------------------------------------------
 
 
-def service_probe(settings, env: dict | None = None, user: str = "sglang", stat: str = "600 root root",
-                  names: int = 0, values: int = 0, active: str = "active") -> Probe:
+def service_read(settings, env: dict | None = None, user: str = "sglang", stat: str = "600 root root",
+                  names: int = 0, values: int = 0, active: str = "active") -> Readings:
     from operations.service import release, service_environment
 
     pinned = dict(service_environment(settings, release(settings, "r-0123456789ab"), "digest"))
-    env = {**pinned, **(env or {})}
-    process = f"user\t{user}\n" + "".join(f"env\t{name}={value}\n" for name, value in env.items())
-    return Probe("h200", {
-        "systemd": Section(0, "running"),
-        "release": Section(0, f"venv\t{settings.venv_releases_dir}/r-0123456789ab/venv"),
-        "service": Section(0, f"LoadState=loaded\nUnitFileState=enabled\nActiveState={active}\nSubState=running\nMainPID=42"),
-        "service_process": Section(0, process),
-        "unit_secrets": Section(0, f"names\t{names}\nvalues\t{values}"),
-        "secrets_file": Section(0, stat),
-    })
+    return Readings("h200", host=HostReport(
+        systemd=True, venv=f"{settings.venv_releases_dir}/r-0123456789ab/venv",
+        unit={"LoadState": "loaded", "UnitFileState": "enabled", "ActiveState": active, "SubState": "running",
+              "MainPID": "42"},
+        process_user=user, process_env={**pinned, **(env or {})},
+        unit_readable=True, unit_secret_names=names, unit_secret_values=values, secrets_file=stat))
 
 
 def test_a_converged_service_passes(h200):
     settings = h200.settings(service_env={"NCCL_P2P_DISABLE": "1"})
-    probe = service_probe(settings)
+    readings = service_read(settings)
     for check in ("service_active", "service_user", "service_environment", "service_secrets"):
-        assert outcome(check, settings, probe).passed, outcome(check, settings, probe).detail
+        assert outcome(check, settings, readings).passed, outcome(check, settings, readings).detail
 
 
 def test_a_stopped_service_fails(h200):
     settings = h200.settings()
-    result = outcome("service_active", settings, service_probe(settings, active="inactive"))
+    result = outcome("service_active", settings, service_read(settings, active="inactive"))
     assert result.detail == "sglang.service on h200 must be enabled and active: UnitFileState=enabled, ActiveState=inactive/running"
 
 
 def test_the_live_environment_must_be_the_pinned_cuda_13_one(h200):
     settings = h200.settings(service_env={"NCCL_P2P_DISABLE": "1"})
-    probe = service_probe(settings, env={"LD_LIBRARY_PATH": f"/usr/local/cuda-12.8/lib64:{settings.cuda_install_path}/lib64",
-                                         "NCCL_P2P_DISABLE": "0"})
-    result = outcome("service_environment", settings, probe)
-    assert result.status == checks.FAILED
+    readings = service_read(settings, env={"LD_LIBRARY_PATH": f"/usr/local/cuda-12.8/lib64:{settings.cuda_install_path}/lib64",
+                                            "NCCL_P2P_DISABLE": "0"})
+    result = outcome("service_environment", settings, readings)
+    assert result.status == FAILED
     assert "another toolkit is on the search paths: /usr/local/cuda-12.8/lib64" in result.detail
     assert "NCCL_P2P_DISABLE is '0', the service step pins '1'" in result.detail
-    assert outcome("service_user", settings, service_probe(settings, user="root")).status == checks.FAILED
+    assert outcome("service_user", settings, service_read(settings, user="root")).status == FAILED
 
 
 def test_secrets_stay_out_of_the_unit_and_in_a_root_0600_file(h200):
     settings = h200.settings(service_secret_env=["HF_TOKEN"])
-    assert outcome("service_secrets", settings, service_probe(settings)).passed
-    result = outcome("service_secrets", settings, service_probe(settings, stat="644 root root", values=1))
+    assert outcome("service_secrets", settings, service_read(settings)).passed
+    result = outcome("service_secrets", settings, service_read(settings, stat="644 root root", values=1))
     assert "contains a value from /etc/servestack/sglang.service.env" in result.detail
     assert "mode/owner/group 644 root root, expected 600 root root" in result.detail
+
+
+def fake_systemctl(h200, *properties: str) -> Path:
+    """A systemctl answering `show` with `properties`, logging each call."""
+    asked = h200.root / "systemctl.log"
+    lines = " ".join(properties)
+    write_script(h200.bin / "systemctl", f'#!/bin/sh\necho "$*" >> {asked}\nprintf "%s\\n" {lines}\n')
+    return asked
 
 
 def test_the_host_script_asks_systemd_once_and_reads_the_units_fragment_and_drop_ins(h200):
@@ -516,47 +561,63 @@ def test_the_host_script_asks_systemd_once_and_reads_the_units_fragment_and_drop
     dropin.parent.mkdir(parents=True)
     unit.write_text("[Service]\nExecStart=/opt/ml-env/bin/python -m sglang.launch_server\n")
     dropin.write_text("[Service]\nEnvironment=HF_TOKEN=hf_abcdefgh123\n")
-    asked = h200.root / "systemctl.log"
-    write_script(h200.bin / "systemctl", f'#!/bin/sh\necho "$*" >> {asked}\nprintf "%s\\n" LoadState=loaded '
-                                         f'ActiveState=active MainPID=0 FragmentPath={unit} DropInPaths={dropin}\n')
+    asked = fake_systemctl(h200, "LoadState=loaded", "ActiveState=active", "MainPID=0", f"FragmentPath={unit}",
+                           f"DropInPaths={dropin}")
     settings = h200.settings(service_secret_env=["HF_TOKEN"])
-    sections = parse_sections(h200.run(checks.host_script(settings)))
-    assert sections["unit_secrets"] == Section(0, "names\t1")
-    assert sections["service"].ok and "FragmentPath=" in sections["service"].text
+    host = h200.read(settings, "host").host
+    assert (host.unit_readable, host.unit_secret_names) == (True, 1)
+    assert host.unit["FragmentPath"] == str(unit) and host.unit_exit == 0
+    assert not host.has_process  # MainPID=0
     assert len(asked.read_text().splitlines()) == 1
     dropin.write_text("[Service]\nEnvironment=OTHER=1\n")
-    assert parse_sections(h200.run(checks.host_script(settings)))["unit_secrets"] == Section(0, "names\t0")
-    write_script(h200.bin / "systemctl", "#!/bin/sh\necho LoadState=not-found; echo FragmentPath=\n")
-    assert parse_sections(h200.run(checks.host_script(settings)))["unit_secrets"].rc == 3
+    assert h200.read(settings, "host").host.unit_secret_names == 0
+    fake_systemctl(h200, "LoadState=not-found", "FragmentPath=")
+    assert not h200.read(settings, "host").host.unit_readable
 
 
-def test_the_secret_scan_prints_a_count_never_a_value(tmp_path):
+def test_the_host_script_reads_only_the_services_own_variables_and_counts_secret_values(h200, tmp_path):
+    """Of the live environment only the names asked for leave the host, never a secret's; a secret
+    value written into the unit is counted, never printed."""
     secrets = tmp_path / "sglang.env"
     secrets.write_text('# servestack\nHF_TOKEN="hf_abcdefgh123"\nSHORT=ab\n')
-    script = f"set -- {secrets}; printf '%s\\n' 'Environment=A=1' 'ExecStart=/x --token hf_abcdefgh123' | {checks._SECRET_SCAN}"
-    result = subprocess.run(["sh", "-c", script], capture_output=True, text=True)
-    assert result.stdout == "1\n" and "hf_" not in result.stderr
+    unit = tmp_path / "sglang.service"
+    unit.write_text("[Service]\nEnvironment=A=1\nExecStart=/x --token hf_abcdefgh123\nEnvironment=B=ab\n")
+    process = subprocess.Popen(["sleep", "60"], env={"CUDA_HOME": "/usr/local/cuda-13.0", "HF_TOKEN": "hf_abcdefgh123",
+                                                     "OTHER": "x"})
+    try:
+        fake_systemctl(h200, "LoadState=loaded", f"MainPID={process.pid}", f"FragmentPath={unit}")
+        command = VerifyHost().command(install_path=str(h200.cuda), venv_path=str(tmp_path / "none"),
+                                       unit="sglang.service", env_names=("CUDA_HOME", "HF_TOKEN"),
+                                       secret_names=("HF_TOKEN",), secrets_file=str(secrets))
+        output = h200.run(command)
+    finally:
+        process.kill()
+        process.wait()
+    assert "hf_" not in output
+    host = parse_host_report(output.splitlines())
+    assert host.process_env == {"CUDA_HOME": "/usr/local/cuda-13.0"}
+    assert (host.unit_secret_names, host.unit_secret_values) == (0, 1)
+    assert host.secrets_file.split()[1:] == [tmp_path.owner(), tmp_path.group()]
 
 
 def test_without_systemd_service_checks_are_skipped_with_the_reason(h200):
     settings = h200.settings()
-    probe = Probe("h200", {"systemd": Section(0, "not running")})
+    readings = Readings("h200", host=HostReport(systemd=False))
     for check in ("service_active", "service_environment", "service_health", "service_secrets"):
-        assert outcome(check, settings, probe).detail == "systemd is not running on h200 (no /run/systemd/system)"
+        assert outcome(check, settings, readings).detail == "systemd is not running on h200 (no /run/systemd/system)"
 
 
 def test_health_and_generate_need_200_and_text(h200):
     settings = h200.settings()
 
-    def http(**report):
-        return Probe("h200", {"systemd": Section(0, "running"),
-                              "http": Section(0, checks.MARK + json.dumps({"base": "http://127.0.0.1:30000", **report}))})
+    def http(**found):
+        line = MARK + json.dumps({"base": "http://127.0.0.1:30000", **found})
+        return Readings("h200", host=HostReport(systemd=True), http=Section(0, (line,)))
 
     assert outcome("service_health", settings, http(health=200)).passed
     assert outcome("service_health", settings, http(health=503)).detail == "GET http://127.0.0.1:30000/health on h200: 503"
     assert outcome("service_generate", settings, http(generate_status=200, generate_text=" Paris.")).passed
     assert "text ''" in outcome("service_generate", settings, http(generate_status=200, generate_text="")).detail
-
 
 
 @pytest.fixture
@@ -584,18 +645,33 @@ def health_server():
 
 
 def bare_path(h200, *tools: str) -> str:
-    """A PATH holding python3 and `tools` only (no bash, no curl unless named), so the health probe
-    takes the branch for what the host has."""
+    """A PATH holding bash (one built without /dev/tcp), python3 and `tools` only (no curl unless
+    named), so the health probe takes the branch for what the host has."""
     bare = h200.root / ("bin-" + "-".join(tools or ("python",)))
     bare.mkdir()
     for tool in ("python3", *tools):
         (bare / tool).symlink_to(sys.executable if tool == "python3" else shutil.which(tool))
+    bash_without_dev_tcp(bare)
     return str(bare)
 
 
-def health_of(settings, script: str, env: dict) -> checks.Outcome:
-    out = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, env=env, timeout=60).stdout
-    return outcome("service_health", settings, Probe("h200", {"systemd": Section(0, "running"), **parse_sections(out)}))
+def bash_without_dev_tcp(directory: Path) -> None:
+    """`bash` in `directory`: the real one, but its /dev/tcp/ redirections fail (as in a bash built
+    without /dev/tcp: a connection fails as to a missing file)."""
+    write_script(directory / "bash", "#!/bin/sh\n"
+                 f"script=$(printf '%s' \"$2\" | {shutil.which('sed')} 's#/dev/tcp/#/nonexistent/tcp/#g')\n"
+                 f"shift 2\nexec {shutil.which('bash')} -c \"$script\" \"$@\"\n")
+
+
+def health_command(settings) -> str:
+    """The deploy's health read: /health only."""
+    return requests(settings, "http", generate=False)[0].command()
+
+
+def health_of(settings, command: str, env: dict) -> Outcome:
+    out = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, env=env, timeout=60).stdout
+    readings = Readings("h200", host=HostReport(systemd=True), http=reported(out.splitlines()))
+    return outcome("service_health", settings, readings)
 
 
 # bash reports no refusal of its own: it leaves that to curl (or Python), which say why
@@ -607,30 +683,59 @@ REFUSED = {"bash": "connection refused (curl exit 7)", "curl": "connection refus
 def test_the_deploys_health_probe_reports_alike_with_bash_curl_or_python(h200, health_server, tool):
     port = health_server.server_address[1]
     settings = h200.settings(service_port=port)
-    script = checks.http_script(settings, generate=False)
+    command = health_command(settings)
     path = os.environ["PATH"] if tool == "bash" else bare_path(h200, *(("curl",) if tool == "curl" else ()))
     env = {**os.environ, "PATH": path}
 
-    assert health_of(settings, script, env).detail == f"GET http://127.0.0.1:{port}/health: 200"
+    assert health_of(settings, command, env).detail == f"GET http://127.0.0.1:{port}/health: 200"
     health_server.handler.status = 503
-    assert health_of(settings, script, env).detail == f"GET http://127.0.0.1:{port}/health on h200: 503"
+    assert health_of(settings, command, env).detail == f"GET http://127.0.0.1:{port}/health on h200: 503"
     health_server.shutdown()
     health_server.server_close()
-    refused = health_of(settings, script, env).detail
+    refused = health_of(settings, command, env).detail
     assert refused.startswith(f"GET http://127.0.0.1:{port}/health on h200: ")
     assert REFUSED[tool].format(port=port) in refused, refused
 
 
 def test_a_bash_that_cannot_connect_leaves_the_health_probe_to_curl(h200, health_server):
     """A bash built without /dev/tcp fails the connect like a refused one: curl then asks."""
-    assert f"|| exit {checks.BASH_NO_CONNECTION}" in checks._BASH_HEALTH
+    assert '|| exit "$BASH_CANNOT_CONNECT"' in script_text("verify-http.sh")
     port = health_server.server_address[1]
     settings = h200.settings(service_port=port)
-    path = bare_path(h200, "curl")
-    write_script(Path(path) / "bash", f"#!/bin/sh\nexit {checks.BASH_NO_CONNECTION}\n")
-    env = {**os.environ, "PATH": path}
-    assert health_of(settings, checks.http_script(settings, generate=False), env).detail == \
-        f"GET http://127.0.0.1:{port}/health: 200"
+    env = {**os.environ, "PATH": bare_path(h200, "curl")}
+    assert health_of(settings, health_command(settings), env).detail == f"GET http://127.0.0.1:{port}/health: 200"
+
+
+def test_the_generate_request_is_asked_by_the_venvs_python(h200):
+    """The suite's http read: a real POST /generate, answered here by a stand-in server."""
+    import http.server
+    import threading
+
+    class Generate(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"text": " Paris." if body["text"] else ""}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Generate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = h200.settings(service_port=server.server_address[1])
+        command = requests(settings, "http")[0].command()
+        out = subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, timeout=60).stdout
+    finally:
+        server.shutdown()
+        server.server_close()
+    readings = Readings("h200", host=HostReport(systemd=True), http=reported(out.splitlines()))
+    assert outcome("service_generate", settings, readings).detail.endswith("'The capital of France is' -> 'Paris.'")
 
 
 def test_the_health_probe_bounds_a_connection_to_another_address_of_the_host(h200):
@@ -648,9 +753,9 @@ def test_the_health_probe_bounds_a_connection_to_another_address_of_the_host(h20
         threading.Thread(target=server.serve_forever, daemon=True).start()
         port = server.server_address[1]
         settings = h200.settings(service_host="127.0.0.2", service_port=port)
-        script = checks.http_script(settings, generate=False)
-        assert "timeout 35 bash" in script
-        detail = health_of(settings, script, dict(os.environ)).detail
+        command = health_command(settings)
+        assert "timeout 35 bash" in command
+        detail = health_of(settings, command, dict(os.environ)).detail
         server.shutdown()
     assert detail == f"GET http://127.0.0.2:{port}/health on h200: no HTTP status line in the answer"
 
@@ -660,31 +765,67 @@ def test_the_health_probe_bounds_a_connection_to_another_address_of_the_host(h20
 
 def test_every_check_has_its_test_in_the_suite_with_the_right_marker():
     source = "".join(path.read_text() for path in sorted(VERIFY_TESTS.glob("test_*.py")))
-    for check in checks.CHECKS:
+    for check in CHECKS:
         assert f"def test_{check.name}(" in source, check.name
         assert f'target.check("{check.name}"' in source, check.name
     service = (VERIFY_TESTS / "test_service.py").read_text()
-    for check in checks.CHECKS:
+    for check in CHECKS:
         block = source[:source.index(f"def test_{check.name}(")].rsplit("\n\n\n", 1)[-1]
         deployed = "@pytest.mark.deployed" in block or f"def test_{check.name}(" in service
         assert deployed == check.deployed, check.name
 
 
 def test_groups_run_in_dependency_order():
-    selected = [checks.CHECKS_BY_NAME[name] for name in ("patches_applied", "cuda_sample", "driver_version")]
-    assert checks.groups_for(selected) == ("host", "patches", "sample")
+    selected = [CHECKS_BY_NAME[name] for name in ("patches_applied", "cuda_sample", "driver_version")]
+    assert groups_for(selected) == ("gpu", "host", "patches", "sample")
 
 
 # --- the real H200 run (docs/validation/h200-2026-11-30.md): each probe's raw output ----------------
 
 DEVICE = FIXTURES / "verify"
+CAPTURED = "::servestack-verify:: "
 
 
-def device_probe(*groups: str) -> Probe:
-    probe = Probe("@local")
-    for group in groups:
-        probe.sections.update(parse_sections((DEVICE / f"probe-{group}.txt").read_text()))
-    return probe
+def captured_sections(name: str) -> dict[str, Section]:
+    """The sections of a capture: the verify scripts' output before they moved to files/scripts,
+    framed `::servestack-verify:: begin NAME` ... `end NAME RC`."""
+    sections, current, body = {}, None, []
+    for line in (DEVICE / name).read_text().splitlines():
+        if line.startswith(CAPTURED + "begin "):
+            current, body = line.split()[2], []
+        elif line.startswith(CAPTURED + "end ") and current:
+            sections[current], current = Section(int(line.split()[3]), tuple(body)), None
+        elif current:
+            body.append(line)
+    return sections
+
+
+def device_readings(*groups: str) -> Readings:
+    """The captures as today's facts read them: each captured section is what one of them prints
+    (the GPUs' and toolkits' facts ran the same commands), the host script's translated line by
+    line into verify-host.sh's `KEY<TAB>VALUE` lines."""
+    readings = Readings("@local")
+    if "host" in groups:
+        host = captured_sections("probe-host.txt")
+        readings.gpu = parse_gpu_output(list(host["gpu"].lines))
+        toolkit_lines = [*host["tree"].lines, *host["link"].lines]
+        if host["record"].ok:
+            toolkit_lines.append("record " + host["record"].text.replace("\n", ""))
+        readings.toolkits = parse_toolkits("/usr/local/cuda-13.0", "/usr/local/cuda", toolkit_lines)
+        readings.kept = {"/usr/local/cuda-12.8": parse_fingerprint("/usr/local/cuda-12.8", list(host["kept_0"].lines))}
+        lines = [*(f"device\t{line}" for line in host["device_nodes"].lines),
+                 *(f"package\t{line}" for line in host["toolkit_package"].lines),
+                 *(f"toolkit_path\t{line}" for line in host["toolkit_path"].lines),
+                 *host["release"].lines, f"systemd\t{host['systemd'].text}", f"unit_exit\t{host['service'].rc}",
+                 *(f"unit\t{line}" for line in host["service"].lines if host["service"].ok),
+                 *([f"pid\t0", *host["service_process"].lines] if host["service_process"].ok else []),
+                 *([line.replace("names", "unit_secret_names").replace("values", "unit_secret_values")
+                    for line in host["unit_secrets"].lines] if host["unit_secrets"].ok else ["unit_files\tunreadable"]),
+                 f"secrets_file\t{host['secrets_file'].text}"]
+        readings.host = parse_host_report(lines)
+    for group in set(groups) & {"python", "sample"}:
+        setattr(readings, group, captured_sections(f"probe-{group}.txt")[group])
+    return readings
 
 
 def device_settings(**data):
@@ -694,9 +835,9 @@ def device_settings(**data):
 
 
 def test_the_real_h200_probes_pass_every_host_level_check():
-    settings, probe = device_settings(), device_probe("host", "python", "sample")
-    details = {check.name: check.judge(settings, probe) for check in checks.CHECKS if not check.deployed}
-    assert {name: result.status for name, result in details.items()} == {name: checks.PASSED for name in details}
+    settings, readings = device_settings(), device_readings("host", "python", "sample")
+    details = {check.name: check.outcome(settings, readings) for check in CHECKS if not check.deployed}
+    assert {name: result.status for name, result in details.items()} == {name: PASSED for name in details}
     assert details["driver_version"].detail == "driver 580.159.04 >= 580.82.07"
     assert details["version_json"].detail == ("no version.json: toolkit from dpkg package cuda-nvcc-13-0 13.0.88-1; "
                                               "nvcc 13.0.88 as pinned, accepted (cuda_existing_toolkit = 'accept')")
@@ -709,23 +850,23 @@ def test_the_real_h200_probes_pass_every_host_level_check():
 
 
 def test_the_real_h200_fails_the_fleets_expectations_where_it_should():
-    settings, probe = device_settings(gpu_compute_capability="12.0", gpu_count=8, service_tp=8,
-                                      cuda_link_policy="keep"), device_probe("host", "python")
-    assert outcome("gpu_capability", settings, probe).status == checks.FAILED
-    assert outcome("torch_device_capability", settings, probe).detail == (
+    settings, readings = device_settings(gpu_compute_capability="12.0", gpu_count=8, service_tp=8,
+                                         cuda_link_policy="keep"), device_readings("host", "python")
+    assert outcome("gpu_capability", settings, readings).status == FAILED
+    assert outcome("torch_device_capability", settings, readings).detail == (
         "expected 8 device(s) of capability (12, 0) on @local, torch sees 1: cuda:0 is (9, 0)")
-    assert "no record of where /usr/local/cuda pointed" in outcome("cuda_link", settings, probe).detail
+    assert "no record of where /usr/local/cuda pointed" in outcome("cuda_link", settings, readings).detail
     # PyPI's torch 2.11.0 carries no local label: it is not the pinned +cu130 build
-    assert outcome("package_version", settings, probe, "torch").detail == (
+    assert outcome("package_version", settings, readings, "torch").detail == (
         "torch 2.11.0 in /opt/torch/.venv on @local, expected 2.9.1+cu130")
-    assert outcome("service_active", settings, probe).detail == "systemd is not running on @local (no /run/systemd/system)"
+    assert outcome("service_active", settings, readings).detail == "systemd is not running on @local (no /run/systemd/system)"
     refused = device_settings(cuda_existing_toolkit="refuse")
-    assert "cannot be confirmed as CUDA 13.0.1" in outcome("version_json", refused, probe).detail
+    assert "cannot be confirmed as CUDA 13.0.1" in outcome("version_json", refused, readings).detail
 
 
 def test_the_sample_built_for_the_wrong_architecture_fails_on_the_real_h200():
     text, rc = (DEVICE / "sample-sm120.txt").read_text(), 1
     body = "\n".join(["nvcc -gencode arch=compute_120,code=sm_120", *text.splitlines()[1:-1]])
-    result = outcome("cuda_sample", device_settings(), sample_probe(rc, body))
-    assert result.status == checks.FAILED
+    result = outcome("cuda_sample", device_settings(), sample_read(rc, body))
+    assert result.status == FAILED
     assert "FAIL bad=1048576/1048576 launch=no kernel image is available for execution on the device" in result.detail

@@ -4,7 +4,7 @@
     pytest tests/verify --hosts=ssh://root@gpu-node-01 [--host-data gpu_compute_capability='"9.0"']
 
 Every test takes the `target` fixture (servestack.verify.Target): one inventory host with its
-settings (the expectations) and the probe output its checks read. Tests are parametrised per
+settings (the expectations) and what its checks read of it. Tests are parametrised per
 host, ids are the inventory's host names. `host` is that host's testinfra host, for checks of
 your own. Tests marked `deployed` need what servestack's deploy leaves (records, the release,
 the service); the others hold on any CUDA 13 host.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from servestack import checks
+from servestack.checks.catalogue import CHECKS_BY_NAME
 from servestack.errors import ConfigError
 from servestack.verify import Target, parse_host_data, prefetch, targets_from_inventory, targets_from_testinfra
 
@@ -79,12 +79,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _probe_all_hosts(request: pytest.FixtureRequest) -> None:
-    """Run every selected check's probe groups on all hosts at once, before the first test."""
+def _read_all_hosts(request: pytest.FixtureRequest) -> None:
+    """Read what every selected check reads, on all hosts at once, before the first test."""
     plan: dict[Target, set[str]] = {}
     for item in request.session.items:
         target = getattr(item, "callspec", None) and item.callspec.params.get("target")
-        check = checks.CHECKS_BY_NAME.get(item.originalname.removeprefix("test_"))
+        check = CHECKS_BY_NAME.get(item.originalname.removeprefix("test_"))
         if isinstance(target, Target) and check:
             plan.setdefault(target, set()).update(check.groups)
     if plan:

@@ -1,7 +1,11 @@
 """Preflight of deploy.py on its own (tests): checks, lock taken and released."""
 
-from operations import base, preflight
+from pyinfra import host
 
-base.servestack_base()
-if preflight.preflight():
+from operations import preflight
+from servestack.settings import host_settings
+
+settings = host_settings(host)
+if preflight.preflight(reads=preflight.host_reads(settings)):
+    preflight.lock(reads=preflight.host_reads(settings))
     preflight.release_lock()

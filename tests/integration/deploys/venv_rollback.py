@@ -1,6 +1,7 @@
 """rollback.py without the service step (tests): backup, re-activate the previous release."""
 
-from operations import base, venv
+from operations import venv
 
-base.servestack_base()
-venv.rollback()
+release = venv.rollback_target()
+if release is not None:
+    venv.rollback(release)

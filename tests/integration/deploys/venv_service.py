@@ -1,9 +1,9 @@
 """The venv steps and the service step of deploy.py on their own (tests): backup, build, activate, service."""
 
-from operations import base, service, venv
+from operations import service, venv
 
-base.servestack_base()
-venv.backup()
-venv.build()
-venv.activate()
-service.sglang_service()
+release = venv.plan()
+venv.backup(release)
+venv.build(release)
+venv.activate(release)
+service.sglang_service(release)

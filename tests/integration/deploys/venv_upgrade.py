@@ -1,8 +1,8 @@
 """The venv steps of deploy.py on their own (tests): backup, build, activate."""
 
-from operations import base, venv
+from operations import venv
 
-base.servestack_base()
-venv.backup()
-venv.build()
-venv.activate()
+release = venv.plan()
+venv.backup(release)
+venv.build(release)
+venv.activate(release)

@@ -1,15 +1,28 @@
-# servestack health gate for one SGLang unit (run by operations/service.py as root, with bash).
+# sglang-health-gate.sh  (inputs in the environment; run as root by operations/service.py `restart`)
 #
-# (Re)start the unit, wait until GET /health answers 200, send one real POST /generate and
-# require a non-empty "text". On success remember the unit as the last known-good one. On
-# failure re-activate the last known-good release and unit, restart that, wait until it is
-# healthy and answering, and exit 1 saying what failed and what was restored (2 if the
-# rollback failed too). The failed release is never deleted: it stays for inspection.
+# The health gate for one SGLang unit. (Re)start the unit, wait until GET /health answers 200,
+# send one real POST /generate and require a non-empty "text". On success remember the unit as
+# the last known-good one (SS_GOOD_UNIT) and record its fingerprint (SS_RECORD). On failure
+# re-activate the last known-good release and unit, restart that, wait until it is healthy and
+# answering. The failed release is never deleted: it stays for inspection.
 #
-# Inputs (environment; every one is set by `gate_command`):
-#   SS_UNIT SS_UNIT_PATH SS_URL SS_HEALTH_TIMEOUT SS_GENERATE_TIMEOUT SS_GENERATE_BODY
-#   SS_RELEASE SS_RELEASE_DIR SS_FINGERPRINT SS_STATE_DIR SS_GOOD_UNIT SS_RECORD
-#   SS_VENV_PATH SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV SS_PREVIOUS_LABEL SS_HISTORY SS_PYTHON
+# Inputs (environment; every one is set by operations/service.py `gate_environment`):
+#   SS_UNIT              the unit's name (sglang.service)
+#   SS_UNIT_PATH         its file in /etc/systemd/system
+#   SS_URL               where the server answers, from the host itself (http://127.0.0.1:30000)
+#   SS_HEALTH_TIMEOUT    seconds to wait for GET /health
+#   SS_GENERATE_TIMEOUT  seconds for the POST /generate
+#   SS_GENERATE_BODY     the POST /generate request (JSON)
+#   SS_RELEASE SS_RELEASE_DIR   the release the unit runs, and its directory
+#   SS_FINGERPRINT       what the unit runs with (unit + secrets), recorded once healthy
+#   SS_STATE_DIR SS_GOOD_UNIT SS_RECORD   the service's state dir, last good unit, record
+#   SS_VENV_PATH         the stable venv path (a link to a release's venv)
+#   SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV  the last good release and its venv (empty: none known)
+#   SS_PREVIOUS_LABEL    how messages name what a rollback returns to
+#   SS_HISTORY SS_PYTHON the venv step's activation history (files/scripts/ml_env.py), a python
+# Output: progress lines on stdout; what failed (with the unit's last journal lines) on stderr.
+# Exit: 0 healthy; 1 failed, and rolled back (or stopped: no earlier healthy unit); 2 the
+# rollback failed too.
 set -u
 
 reason=""

@@ -1,0 +1,26 @@
+# busy.sh STATE_DIR RUN_ID STEP COMMAND...
+#
+# Runs COMMAND while holding `flock` on STATE_DIR/lock.busy, and records what it is doing in
+# STATE_DIR/lock.activity, one JSON line: {"run_id": RUN_ID, "step": STEP, "since": "<UTC>",
+# "pid": <this shell's pid>}. A run's lock whose connection is gone is not stale while any process
+# of COMMAND still holds lock.busy (files/scripts/lock.sh `lock_alive`): a second run then
+# refuses the host naming RUN_ID, STEP and since when, instead of working beside it. The record is
+# removed when COMMAND ends; one left behind names the step an interrupted run was in.
+# Exit: COMMAND's exit status; 75 printing `busy <activity json>` on stderr when another process
+# holds lock.busy; 1 when flock is missing.
+state=${1%/}; run=$2; step=$3; shift 3
+command -v flock >/dev/null 2>&1 || { echo "servestack: 'flock' (util-linux) is needed on the host" >&2; exit 1; }
+mkdir -p -m 755 "$state" || exit 1
+exec 8>>"$state/lock.busy"
+if ! flock -n 8; then
+    activity=; { IFS= read -r activity < "$state/lock.activity"; } 2>/dev/null
+    echo "busy ${activity:-{\}}" >&2
+    exit 75
+fi
+printf '{"run_id": "%s", "step": "%s", "since": "%s", "pid": %s}\n' \
+    "$run" "$step" "$(date -u +%Y%m%dT%H%M%SZ)" "$$" > "$state/lock.activity.new.$$" \
+    && mv -f "$state/lock.activity.new.$$" "$state/lock.activity"
+"$@"
+status=$?
+rm -f "$state/lock.activity"
+exit $status

@@ -1,0 +1,24 @@
+# patch-check.sh  (PYTHON, RECORD, SUMS, HEADERS, HOLD, ABSENT in the environment; stdin: the check)
+#
+# The state of servestack's source patches in the environment of $PYTHON (facts/patches.py).
+# - $PYTHON is not executable: prints $ABSENT (one JSON line).
+# - $SUMS is set, its first line is one of $HEADERS (one a line: the digests of the engine and sets
+#   the controller sends) and `sha256sum -c` confirms every other line (each file the check of a set
+#   in place read, $RECORD among them): prints $HOLD, $PYTHON and $RECORD, a line each, then the
+#   record $RECORD. No python starts.
+# - Otherwise runs `$PYTHON -I -` on stdin: servestack/patchlib.py's check or apply, which prints
+#   one JSON object.
+# Exit: 0, or the python check's exit status (non-zero with the reason on stderr).
+set -u
+if [ ! -x "$PYTHON" ]; then
+    printf '%s\n' "$ABSENT"
+    exit 0
+fi
+if [ -n "$SUMS" ] && [ -f "$SUMS" ] && [ -f "$RECORD" ] && IFS= read -r first < "$SUMS" \
+        && [[ $'\n'"$HEADERS"$'\n' == *$'\n'"$first"$'\n'* ]] \
+        && tail -n +2 -- "$SUMS" | sha256sum --check --status --strict 2>/dev/null; then
+    printf '%s\n%s\n%s\n' "$HOLD" "$PYTHON" "$RECORD"
+    cat -- "$RECORD"
+    exit 0
+fi
+exec "$PYTHON" -I -

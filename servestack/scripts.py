@@ -1,0 +1,39 @@
+"""Run the shell scripts of files/scripts on a host: each script's text, with its inputs.
+
+Every non-trivial host-side script lives in files/scripts/NAME.sh with its contract (inputs,
+outputs, exit codes) at its top. Python renders only the inputs: environment variables and
+arguments, quoted. The script's text travels in the command itself (`bash -c TEXT NAME ARGS...`),
+so nothing is uploaded and the command is the same on every host.
+"""
+
+from __future__ import annotations
+
+import functools
+import shlex
+from pathlib import Path
+
+from pyinfra.api import StringCommand
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "files" / "scripts"
+
+
+@functools.cache
+def script_text(name: str) -> str:
+    return (SCRIPTS / name).read_text()
+
+
+def script_command(name: str, *args, env: dict | None = None) -> str:
+    """`files/scripts/<name>` as one shell command: `VAR=value... bash -c TEXT NAME ARGS...`."""
+    assignments = [f"{key}={shlex.quote(str(value))}" for key, value in (env or {}).items()]
+    words = ["bash", "-c", shlex.quote(script_text(name)), shlex.quote(name), *(shlex.quote(str(a)) for a in args)]
+    return " ".join(assignments + words)
+
+
+def script(name: str, *args, env: dict | None = None) -> StringCommand:
+    """`script_command` as a pyinfra command to yield."""
+    return StringCommand(script_command(name, *args, env=env))
+
+
+def atomic_write_command(path: str, text: str, mode: str = "644") -> str:
+    """The one way to write a file on a host atomically: a temporary file beside it, then rename(2)."""
+    return script_command("atomic-write.sh", path, mode, env={"CONTENT": text})

@@ -1,0 +1,379 @@
+"""The core's host-side scripts (files/scripts: atomic-write.sh, disk-free.sh, lock.sh), run with
+`bash` on this machine against temporary directories, and the Python that renders their inputs
+(servestack/scripts.py, facts/host.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from facts.host import (
+    HostLock,
+    LockState,
+    disk_command,
+    lock_read_command,
+    parse_disks,
+    parse_lock,
+    release_lock_command,
+    take_lock_command,
+)
+from servestack.scripts import SCRIPTS, atomic_write_command, script, script_command
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+BASH = shutil.which("bash")
+
+
+def bash(name: str, *args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """Run files/scripts/<name> with bash, as a host would."""
+    return subprocess.run([BASH, str(SCRIPTS / name), *args], capture_output=True, text=True,
+                          env=env if env is not None else dict(os.environ), **kwargs)
+
+
+def sh(command: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a rendered command as pyinfra sends it (`sh -c`)."""
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# --- servestack/scripts.py -------------------------------------------------------------------------
+
+
+def test_a_script_command_carries_the_script_its_arguments_and_environment(tmp_path):
+    target = str(tmp_path / "it's here")
+    command = script_command("atomic-write.sh", target, "600", env={"CONTENT": "a b"})
+    assert shlex.split(command) == ["CONTENT=a b", "bash", "-c", (SCRIPTS / "atomic-write.sh").read_text(),
+                                    "atomic-write.sh", target, "600"]
+    assert sh(command).returncode == 0
+    assert (tmp_path / "it's here").read_text() == "a b\n"
+    assert script("atomic-write.sh", "/x", "644").get_raw_value() == script_command("atomic-write.sh", "/x", "644")
+
+
+@pytest.mark.parametrize("name", ["atomic-write.sh", "disk-free.sh", "lock.sh"])
+def test_each_script_states_its_contract_at_the_top(name):
+    assert (SCRIPTS / name).read_text().startswith(f"# {name} ")
+
+
+# --- atomic-write.sh --------------------------------------------------------------------------------
+
+
+def write(path: Path, mode: str, content: str | None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("CONTENT", None)
+    if content is not None:
+        env["CONTENT"] = content
+    return bash("atomic-write.sh", str(path), mode, env=env)
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.rglob("*.tmp.*"))
+
+
+@pytest.mark.parametrize(("content", "written"), [
+    ("one line", "one line\n"),
+    ("ends with a newline\n", "ends with a newline\n"),
+    ("keeps\nblank lines\n\n", "keeps\nblank lines\n\n"),
+    ("", "\n"),
+])
+def test_atomic_write_adds_a_final_newline_only_when_missing(tmp_path, content, written):
+    target = tmp_path / "file"
+    assert write(target, "644", content).returncode == 0
+    assert target.read_text() == written
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", ["600", "640", "755"])
+def test_atomic_write_sets_the_mode(tmp_path, mode):
+    target = tmp_path / "file"
+    target.write_text("old\n")
+    target.chmod(0o666)
+    assert write(target, mode, "x").returncode == 0
+    assert mode_of(target) == int(mode, 8)
+
+
+def test_atomic_write_creates_the_directory(tmp_path):
+    target = tmp_path / "a" / "b" / "file.json"
+    assert write(target, "644", "{}").returncode == 0
+    assert target.read_text() == "{}\n" and mode_of(target.parent) == 0o755
+
+
+def test_atomic_write_replaces_the_file_by_rename(tmp_path):
+    """A reader holding the old file (here a hard link to it) keeps reading it whole."""
+    target, reader = tmp_path / "file", tmp_path / "reader"
+    target.write_text("old\n")
+    os.link(target, reader)
+    assert write(target, "644", "new").returncode == 0
+    assert target.read_text() == "new\n" and reader.read_text() == "old\n"
+    assert target.stat().st_ino != reader.stat().st_ino
+
+
+@pytest.mark.parametrize(("content", "mode", "why"), [
+    ("x", "999", "invalid mode"),
+    (None, "644", "CONTENT"),            # no content given: nothing is written
+])
+def test_a_failed_atomic_write_leaves_the_file_and_no_temporary_file(tmp_path, content, mode, why):
+    target = tmp_path / "file"
+    target.write_text("old\n")
+    target.chmod(0o600)
+    done = write(target, mode, content)
+    assert done.returncode != 0 and why in done.stderr
+    assert target.read_text() == "old\n" and mode_of(target) == 0o600
+    assert leftovers(tmp_path) == []
+
+
+def test_atomic_write_refuses_a_directory_in_the_way(tmp_path):
+    (tmp_path / "in-the-way").mkdir()
+    done = write(tmp_path / "in-the-way", "644", "x")
+    assert done.returncode != 0 and done.stderr
+    assert leftovers(tmp_path) == [] and list((tmp_path / "in-the-way").iterdir()) == []
+    (tmp_path / "a-file").write_text("")
+    done = write(tmp_path / "a-file" / "below", "644", "x")
+    assert done.returncode != 0 and done.stderr and leftovers(tmp_path) == []
+
+
+def test_atomic_write_command_writes_any_text_exactly(tmp_path):
+    text = "quotes ' \" `backticks` $HOME ${x} \\ back\\slash\n-n -e %s %d\n\ttab \u00e9\u4e2d"
+    target = tmp_path / "odd name's dir" / "file"
+    done = sh(atomic_write_command(str(target), text, "600"))
+    assert done.returncode == 0, done.stderr
+    assert target.read_text() == text + "\n" and mode_of(target) == 0o600
+    assert sh(atomic_write_command(str(tmp_path / "default"), "x")).returncode == 0
+    assert mode_of(tmp_path / "default") == 0o644
+
+
+# --- disk-free.sh ----------------------------------------------------------------------------------
+
+
+def df_wrapper(tmp_path: Path, body: str = "") -> dict:
+    """PATH with a `df` that logs each call (and runs `body` first, which may exit)."""
+    real_df = shutil.which("df")
+    wrapper = tmp_path / "bin" / "df"
+    wrapper.parent.mkdir(exist_ok=True)
+    wrapper.write_text(f"#!/bin/sh\necho called >> {tmp_path}/df.log\n{body}\nexec {real_df} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return {**os.environ, "PATH": f"{wrapper.parent}:{os.environ['PATH']}"}
+
+
+def df_calls(tmp_path: Path) -> int:
+    log = tmp_path / "df.log"
+    return log.read_text().count("called") if log.exists() else 0
+
+
+def test_disk_free_of_every_path_in_one_df_call(tmp_path):
+    (tmp_path / "with space").mkdir()
+    paths = [str(tmp_path / "missing" / "deeper"), str(tmp_path / "with space"), "/"]
+    done = bash("disk-free.sh", *paths, env=df_wrapper(tmp_path))
+    assert done.returncode == 0 and df_calls(tmp_path) == 1
+    lines = done.stdout.splitlines()
+    assert lines[:4] == [f"diskpath {path}" for path in paths] + ["dfall"]
+    disks = parse_disks(lines)
+    assert set(disks) == set(paths) and all(disk is not None and disk.size > 0 for disk in disks.values())
+    assert disks[paths[0]].mount == disks[paths[1]].mount   # a missing path counts as its nearest parent
+
+
+def test_disk_free_falls_back_to_one_df_per_path(tmp_path):
+    paths = [str(tmp_path / "missing"), "/", str(tmp_path)]
+    # df fails for more than one path, and for "/" alone
+    env = df_wrapper(tmp_path, '[ "$#" -gt 3 ] && exit 1\nfor a; do [ "$a" = / ] && exit 1; done')
+    done = bash("disk-free.sh", *paths, env=env)
+    assert done.returncode == 0 and df_calls(tmp_path) == 4
+    assert "diskerr /" in done.stdout.splitlines()
+    disks = parse_disks(done.stdout.splitlines())
+    assert disks["/"] is None and disks[paths[0]] is not None and disks[paths[0]].mount == disks[paths[2]].mount
+
+
+def test_disk_free_without_df_says_so_path_by_path(tmp_path):
+    done = bash("disk-free.sh", str(tmp_path), env=df_wrapper(tmp_path, "exit 127"))
+    assert done.returncode == 0 and parse_disks(done.stdout.splitlines()) == {str(tmp_path): None}
+
+
+def test_disk_free_of_no_paths_prints_nothing():
+    done = bash("disk-free.sh")
+    assert (done.returncode, done.stdout) == (0, "")
+
+
+def test_the_disk_command_is_the_script(tmp_path):
+    paths = (str(tmp_path / "missing"), "/")
+    assert sh(disk_command(paths)).stdout == bash("disk-free.sh", *paths).stdout
+
+
+# --- lock.sh ---------------------------------------------------------------------------------------
+
+
+def lock(action: str, state_dir: Path | str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return bash("lock.sh", action, str(state_dir), *args, env=env)
+
+
+def read_lock(state_dir: Path | str) -> LockState:
+    done = lock("read", state_dir)
+    assert done.returncode == 0, done.stderr
+    return parse_lock(done.stdout.splitlines())
+
+
+def set_field(path: Path, key: str, value) -> None:
+    data = json.loads(path.read_text())
+    data[key] = value
+    path.write_text(json.dumps(data) + "\n")
+
+
+def test_take_creates_the_state_directory_and_writes_the_lock(tmp_path):
+    state_dir = tmp_path / "var" / "lib" / "servestack"
+    done = lock("take", state_dir, "run-A", "laptop:42", "20260101T000000Z")
+    assert (done.returncode, done.stdout) == (0, "taken\n"), done.stderr
+    assert mode_of(state_dir) == 0o755
+    data = json.loads((state_dir / "lock").read_text())
+    assert {key: data[key] for key in ("run_id", "controller", "started", "boot_id")} == {
+        "run_id": "run-A", "controller": "laptop:42", "started": "20260101T000000Z", "boot_id": BOOT_ID}
+    assert data["pid"] is None or isinstance(data["pid"], int)   # the sshd above this shell, if any
+    assert sorted(p.name for p in state_dir.iterdir()) == ["lock", "lock.guard"]
+
+
+def test_read_without_a_lock_or_a_state_directory_prints_nothing(tmp_path):
+    assert lock("read", tmp_path / "missing").stdout == ""
+    assert read_lock(tmp_path / "missing") == LockState()
+    tmp_path.joinpath("empty").mkdir()
+    assert read_lock(tmp_path / "empty") == LockState()
+
+
+def test_take_is_ours_then_held_for_another_run(tmp_path):
+    state_dir = tmp_path / "state"
+    lock("take", state_dir, "run-A", "ctl:1", "T")
+    assert (lock("take", state_dir, "run-A", "ctl:1", "T").stdout) == "ours\n"
+    before = (state_dir / "lock").read_text()
+    held = lock("take", state_dir, "run-B", "ctl:2", "T")
+    assert held.returncode == 3 and held.stdout == f"held {before}"
+    assert (state_dir / "lock").read_text() == before
+    found = read_lock(state_dir)
+    assert found.present and found.alive and found.run_id == "run-A"
+    assert found.why in ("no-owner", "connection")
+    assert found.describe() == "run run-A from ctl:1, started T"
+
+
+def test_the_lock_names_its_ssh_session_and_is_stale_once_that_is_gone(tmp_path):
+    """The owner is the nearest ancestor named sshd (here a copy of bash named so): alive while it
+    runs, stale once it exits."""
+    state_dir, go = tmp_path / "state", tmp_path / "go"
+    fake_sshd = tmp_path / "sshd"
+    shutil.copy(os.path.realpath(shutil.which("bash")), fake_sshd)
+    session = subprocess.Popen(
+        [str(fake_sshd), "-c", 'bash "$1" take "$2" run-A ctl:1 T; while [ ! -e "$3" ]; do sleep 0.05; done',
+         "sshd", str(SCRIPTS / "lock.sh"), str(state_dir), str(go)], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):
+            if (state_dir / "lock").exists():
+                break
+            time.sleep(0.05)
+        data = json.loads((state_dir / "lock").read_text())
+        assert data["pid"] == session.pid and data["owner_start"].isdigit()
+        found = read_lock(state_dir)
+        assert found.alive and found.why == "connection"
+        assert "connection is still open" in found.why_alive()
+        assert lock("take", state_dir, "run-B", "ctl:2", "T").returncode == 3
+    finally:
+        go.touch()
+        assert session.wait(10) == 0
+    assert session.stdout.read() == "taken\n"
+    assert not read_lock(state_dir).alive
+    before = (state_dir / "lock").read_text()
+    taken = lock("take", state_dir, "run-B", "ctl:2", "T")
+    assert (taken.returncode, taken.stdout) == (0, f"stale {before}taken\n")
+    assert json.loads((state_dir / "lock").read_text())["run_id"] == "run-B"
+    kept = [p for p in state_dir.iterdir() if p.name.startswith("lock.stale-")]
+    assert len(kept) == 1 and kept[0].read_text() == before
+    assert len(kept[0].name) == len("lock.stale-20260101T000000Z")
+
+
+def test_a_lock_whose_owner_process_is_gone_or_another_is_stale(tmp_path):
+    state_dir = tmp_path / "state"
+    lock("take", state_dir, "run-A", "ctl:1", "T")
+    path = state_dir / "lock"
+    set_field(path, "pid", 4194304)                  # no such process
+    assert not read_lock(state_dir).alive
+    set_field(path, "pid", os.getpid())              # a live process, but not the one that started then
+    set_field(path, "owner_start", "1")
+    assert not read_lock(state_dir).alive
+    assert lock("take", state_dir, "run-B", "ctl:2", "T").stdout.endswith("taken\n")
+
+
+def test_the_lock_of_a_rebooted_host_is_stale(tmp_path):
+    state_dir = tmp_path / "state"
+    lock("take", state_dir, "run-A", "ctl:1", "T")
+    set_field(state_dir / "lock", "boot_id", "before-reboot")
+    found = read_lock(state_dir)
+    assert found.present and not found.alive and found.why is None
+
+
+def test_a_lock_whose_connection_is_gone_is_alive_while_its_installer_runs(tmp_path):
+    state_dir = tmp_path / "state"
+    lock("take", state_dir, "run-A", "ctl:1", "T")
+    set_field(state_dir / "lock", "pid", 4194304)
+    holder = subprocess.Popen(["flock", str(state_dir / "lock.busy"), "sleep", "30"], start_new_session=True)
+    try:
+        for _ in range(100):
+            found = read_lock(state_dir)
+            if found.alive:
+                break
+            time.sleep(0.05)
+        assert found.alive and found.why == "busy"
+        assert "still running on the host" in found.why_alive()
+        assert lock("take", state_dir, "run-B", "ctl:2", "T").returncode == 3
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)        # flock and the sleep holding the lock
+        holder.wait()
+    assert not read_lock(state_dir).alive
+
+
+def test_release_removes_only_this_runs_lock(tmp_path):
+    state_dir = tmp_path / "state"
+    assert lock("release", tmp_path / "missing", "run-A").stdout == "not-ours\n"
+    assert not (tmp_path / "missing").exists()
+    state_dir.mkdir()
+    assert lock("release", state_dir, "run-A").stdout == "not-ours\n"      # no lock
+    lock("take", state_dir, "run-A", "ctl:1", "T")
+    assert lock("release", state_dir, "run-B").stdout == "not-ours\n"
+    assert (state_dir / "lock").exists()
+    assert lock("release", state_dir, "run-A").stdout == "released\n"
+    assert not (state_dir / "lock").exists() and read_lock(state_dir) == LockState()
+    assert lock("take", state_dir, "run-B", "ctl:2", "T").stdout == "taken\n"
+
+
+def test_a_state_directory_with_a_trailing_slash_is_the_same_lock(tmp_path):
+    state_dir = tmp_path / "state"
+    lock("take", f"{state_dir}/", "run-A", "ctl:1", "T")
+    assert read_lock(state_dir).run_id == "run-A"
+    assert lock("take", state_dir, "run-A", "ctl:1", "T").stdout == "ours\n"
+
+
+def test_take_without_flock_says_what_is_missing(tmp_path):
+    (tmp_path / "state").mkdir()
+    done = lock("take", tmp_path / "state", "run-A", "ctl:1", "T", env={"PATH": str(tmp_path / "empty-bin")})
+    assert done.returncode == 1 and "'flock' (util-linux) is needed on the host" in done.stderr
+    assert not (tmp_path / "state" / "lock").exists()
+
+
+def test_an_unknown_action_is_refused(tmp_path):
+    done = lock("steal", tmp_path)
+    assert done.returncode == 2 and "unknown action 'steal'" in done.stderr
+
+
+def test_the_lock_commands_and_fact_are_the_script(tmp_path):
+    state_dir = str(tmp_path / "state")
+    assert sh(take_lock_command(state_dir, "run-A", "ctl:1", "T")).stdout == "taken\n"
+    output = sh(lock_read_command(state_dir)).stdout.splitlines()
+    assert output == lock("read", state_dir).stdout.splitlines()
+    assert HostLock().command(state_dir=state_dir) == lock_read_command(state_dir)
+    found = HostLock().process(output)
+    assert found.present and found.alive and found.run_id == "run-A"
+    assert sh(release_lock_command(state_dir, "run-A")).stdout == "released\n"
+    assert HostLock.default() == LockState()

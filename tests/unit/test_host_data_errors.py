@@ -1,0 +1,288 @@
+"""What an operator sees for bad host data, a broken manifest or a broken inventory: every problem
+of every host at once, before any connection, one line each naming the host (or file) and the key
+(issues 16 and 18)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from servestack import cli
+from servestack.errors import ConfigError, ManifestError
+from servestack.manifest import DEFAULT_MANIFEST, load_manifest
+from servestack.preconnect import validate_targets
+from servestack.settings import (edit_distance, foreign_key_problem, host_keys, settings_from_data,
+                                 validate_inventory)
+
+KNOWN = host_keys(load_manifest())
+USER_HINT = "(a key of your own: list it in servestack_user_keys)"
+
+
+class FakeData(dict):
+    def dict(self):
+        return dict(self)
+
+
+class FakeHost:
+    def __init__(self, name, data):
+        self.name, self.data = name, FakeData(data)
+
+
+class FakeState:
+    """The part of pyinfra's State validate_targets reads."""
+
+    def __init__(self, hosts, limit=None):
+        self.inventory, self.limit = hosts, limit
+
+    def is_host_in_limit(self, host):
+        return self.limit is None or host.name in self.limit
+
+
+def refusal(data: dict, name: str = "h1") -> str:
+    with pytest.raises(ConfigError) as error:
+        settings_from_data(name, data)
+    return str(error.value)
+
+
+def manifest_without(tmp_path: Path, section: str, key: str) -> Path:
+    """A copy of the shipped manifest whose [section] lacks `key`."""
+    text = DEFAULT_MANIFEST.read_text()
+    edited = re.sub(rf"(?ms)^(\[{re.escape(section)}\]\n(?:(?!^\[).)*?)^{re.escape(key)} = [^\n]*\n", r"\1", text)
+    assert edited != text
+    path = tmp_path / "stack.toml"
+    path.write_text(edited)
+    return path
+
+
+# -- strict keys (issue 18) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("a, b, distance", [
+    ("service_port", "service_port", 0), ("servce_port", "service_port", 1),
+    ("sevrice_port", "service_port", 1),  # a swap of two adjacent characters is one edit
+    ("srevce_port", "service_port", 2), ("kitten", "sitting", 3), ("ca", "abc", 3),  # OSA, not unrestricted DL
+])
+def test_edit_distance_is_optimal_string_alignment(a, b, distance):
+    assert edit_distance(a, b) == distance
+
+
+@pytest.mark.parametrize("key, line", [
+    ("servce_port", "'servce_port': unknown key, 1 edit from 'service_port': did you mean 'service_port'?"),
+    ("sevrice_port", "'sevrice_port': unknown key, 1 edit from 'service_port': did you mean 'service_port'?"),
+    ("servic_prot", "'servic_prot': unknown key, 2 edits from 'service_port': did you mean 'service_port'?"),
+    ("Service_Port", "'Service_Port': unknown key, 'service_port' in other letter case: did you mean 'service_port'?"),
+    ("gpu_cuont", "'gpu_cuont': unknown servestack key (did you mean 'gpu_count'?)"),  # the prefix rule, kept
+    ("tp", "'tp': unknown key, a servestack key without its prefix 'service_': did you mean 'service_tp'?"),
+    ("port", "'port': unknown key, a servestack key without its prefix 'service_': did you mean 'service_port'?"),
+    ("model_path", "'model_path': unknown key, a servestack key without its prefix 'service_': "
+                   "did you mean 'service_model_path'?"),
+    ("keep_releases", "did you mean 'venv_keep_releases'?"),
+    ("cache_dir", "did you mean one of 'cuda_cache_dir', 'service_cache_dir', 'uv_cache_dir'?"),
+    ("sglang_port", "'sglang_port': unknown key, 'sglang_' reads as servestack's 'service_': "
+                    "did you mean 'service_port'?"),
+    ("server_tp", "did you mean 'service_tp'?"),
+    ("svc_model_path", "did you mean 'service_model_path'?"),
+])
+def test_a_key_that_reads_as_a_mistyped_servestack_key_is_refused(key, line):
+    message = refusal({key: 1})
+    assert len(message.splitlines()) == 1 and message.startswith("host h1: '" + key + "': ")
+    assert line in message
+    assert message.endswith("see README 'Host data'" if key.startswith("gpu_") else f"? {USER_HINT}")
+
+
+def test_the_three_typos_of_the_issue_are_refused_together():
+    lines = refusal({"servce_port": 30001, "tp": 4, "sglang_port": 30002}).splitlines()
+    assert lines == [
+        f"host h1: 'servce_port': unknown key, 1 edit from 'service_port': did you mean 'service_port'? {USER_HINT}",
+        f"host h1: 'sglang_port': unknown key, 'sglang_' reads as servestack's 'service_': did you mean "
+        f"'service_port'? {USER_HINT}",
+        f"host h1: 'tp': unknown key, a servestack key without its prefix 'service_': did you mean 'service_tp'? "
+        f"{USER_HINT}",
+    ]
+
+
+@pytest.mark.parametrize("key", [
+    "rack", "owner", "my_team", "db_port", "app_user", "backup_path", "pip_cache_dir", "region", "tp_size",
+    "test_python", "test_record",  # the integration tests' own keys
+    "ssh_user", "ssh_hostname", "ssh_port", "ssh_key", "ssh_known_hosts_file", "ssh_strict_host_key_checking",
+    "ssh_allow_agent", "ssh_look_for_keys", "_sudo", "_sudo_user", "_env", "_chdir", "_use_sudo_login", "name",
+    "docker_identifier",
+])
+def test_keys_of_the_user_and_of_pyinfra_pass(key):
+    assert foreign_key_problem(key, KNOWN) is None
+    assert settings_from_data("h1", {key: "x"}).service_port == 30000
+
+
+def test_a_key_of_the_users_own_that_looks_like_a_typo_is_declared_in_servestack_user_keys():
+    assert "did you mean 'gpu_count'?" in refusal({"cpu_count": 64})
+    settings = settings_from_data("h1", {"cpu_count": 64, "servestack_user_keys": ["cpu_count"]})
+    assert settings.gpu_count == 8
+    assert ("'servestack_user_keys': expected keys of your own, without a servestack prefix ('cuda_x' has one)"
+            in refusal({"cuda_x": 1, "servestack_user_keys": ["cuda_x"]}))
+
+
+# -- every problem at once (issue 16) ---------------------------------------------------------------
+
+def test_three_bad_values_are_three_lines_naming_host_key_and_expectation():
+    lines = refusal({"service_tp": 3, "service_port": -5, "rollout_batch": 0}).splitlines()
+    assert lines == [
+        "host h1: 'rollout_batch': expected an integer >= 1, got 0",
+        "host h1: 'service_port': expected an integer from 1 to 65535, got -5",
+        "host h1: 'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 3",
+    ]
+
+
+def test_every_hosts_problems_are_in_one_refusal_before_connecting(monkeypatch):
+    monkeypatch.delenv("SERVESTACK_TEST_UNSET_SECRET", raising=False)
+    hosts = [FakeHost("h1", {"service_tp": 3, "service_port": -1, "rollout_batch": 0}),
+             FakeHost("h2", {}),
+             FakeHost("h3", {"tp": 2, "service_secret_env": ["SERVESTACK_TEST_UNSET_SECRET"]}),
+             FakeHost("h4", {"servestack_allow_local": True, "ssh_hostname": "gpu-4.example"}),
+             FakeHost("localhost", {})]
+    with pytest.raises(ConfigError) as error:
+        validate_targets(FakeState(hosts), environ={})
+    lines = str(error.value).splitlines()
+    assert lines[0] == "refusing to run (nothing was changed on any host):"
+    assert lines[1:] == [
+        "host h1: 'rollout_batch': expected an integer >= 1, got 0",
+        "host h1: 'service_port': expected an integer from 1 to 65535, got -1",
+        "host h1: 'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 3",
+        f"host h3: 'tp': unknown key, a servestack key without its prefix 'service_': did you mean 'service_tp'? "
+        f"{USER_HINT}",
+        "host h3: 'service_secret_env': SERVESTACK_TEST_UNSET_SECRET is not set in the control machine's "
+        "environment (export it before the run)",
+        "host localhost: 'localhost' is this machine; set servestack_allow_local = True in its host data if "
+        "that is really meant",
+    ]
+
+
+def test_the_limit_decides_which_hosts_are_checked():
+    hosts = [FakeHost("h1", {"service_port": 0}), FakeHost("h2", {})]
+    validate_targets(FakeState(hosts, limit={"h2"}), environ={})
+
+
+# -- secrets named in host data (issue 16) ----------------------------------------------------------
+
+def test_a_secret_missing_on_the_controller_is_refused_before_connecting():
+    hosts = [FakeHost("h1", {"service_secret_env": ["HF_TOKEN", "EMPTY", "QUOTED", "SET"]})]
+    with pytest.raises(ConfigError) as error:
+        validate_targets(FakeState(hosts), environ={"EMPTY": "", "QUOTED": "it's", "SET": "hf_x"})
+    assert str(error.value).splitlines()[1:] == [
+        "host h1: 'service_secret_env': HF_TOKEN is not set in the control machine's environment "
+        "(export it before the run)",
+        "host h1: 'service_secret_env': EMPTY is set but empty in the control machine's environment",
+        "host h1: 'service_secret_env': QUOTED contains a newline or a single quote, which the secrets file "
+        "cannot hold",
+    ]
+    assert "hf_x" not in str(error.value)
+
+
+def test_set_secrets_pass():
+    validate_targets(FakeState([FakeHost("h1", {"service_secret_env": ["HF_TOKEN"]})]), environ={"HF_TOKEN": "t"})
+
+
+def test_a_host_with_other_problems_still_has_its_secrets_checked():
+    hosts = [FakeHost("h1", {"service_port": 0, "service_secret_env": ["HF_TOKEN"]})]
+    with pytest.raises(ConfigError) as error:
+        validate_targets(FakeState(hosts), environ={})
+    assert "host h1: 'service_secret_env': HF_TOKEN is not set" in str(error.value)
+    assert "host h1: 'service_port'" in str(error.value)
+
+
+# -- a broken manifest (issue 18) -------------------------------------------------------------------
+
+def test_a_manifest_missing_uv_version_is_named_by_file_and_key_for_every_run(tmp_path):
+    manifest = manifest_without(tmp_path, "uv", "version")
+    hosts = [FakeHost(name, {"servestack_manifest": str(manifest)}) for name in ("h1", "h2")]
+    with pytest.raises(ConfigError) as error:
+        validate_targets(FakeState(hosts), environ={})
+    assert str(error.value).splitlines()[1:] == [
+        f"hosts h1, h2: {manifest}: key 'uv.version': expected a version string like '13.0.1' (missing)"]
+
+
+@pytest.mark.parametrize("section, key, expected", [
+    ("service", "tp", "expected an integer from 1 to 64 (missing)"),
+    ("service", "model_path", "expected a non-empty string (missing)"),
+    ("venv", "keep_releases", "expected an integer >= 1 (missing)"),
+])
+def test_a_manifest_missing_a_default_is_named_not_a_key_error(tmp_path, section, key, expected):
+    manifest = manifest_without(tmp_path, section, key)
+    with pytest.raises(ConfigError) as error:
+        validate_inventory([FakeHost("h1", {"servestack_manifest": str(manifest)})])
+    assert str(error.value).splitlines()[1:] == [f"host h1: {manifest}: key '{section}.{key}': {expected}"]
+    with pytest.raises(ManifestError) as error:
+        settings_from_data("h1", {"servestack_manifest": str(manifest)})
+    assert error.value.problem == f"{manifest}: key '{section}.{key}': {expected}"
+
+
+def test_a_bad_or_unknown_default_in_the_manifest_is_named(tmp_path):
+    path = tmp_path / "stack.toml"
+    path.write_text(DEFAULT_MANIFEST.read_text().replace("\nport = 30000\n", '\nport = "30000"\ncolour = "blue"\n'))
+    with pytest.raises(ManifestError) as error:
+        host_keys(load_manifest(path))
+    lines = str(error.value).splitlines()
+    assert lines[0] == f"{path}: key 'service.port': expected an integer from 1 to 65535, got '30000'"
+    assert lines[1].startswith(f"{path}: key 'service.colour': expected one of the known keys ['attention_backend', ")
+    assert lines[1].endswith("] (unknown key)") and len(lines) == 2
+
+
+def test_servestack_keys_names_the_manifest_and_key_and_exits_2(tmp_path, capsys):
+    manifest = manifest_without(tmp_path, "uv", "version")
+    assert cli.main(["keys", "--manifest", str(manifest)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"servestack: {manifest}: key 'uv.version': expected a version string like '13.0.1' "
+                            "(missing)\n")
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_servestack_keys_with_a_manifest_missing_a_service_default_exits_2(tmp_path, capsys):
+    manifest = manifest_without(tmp_path, "service", "tp")
+    assert cli.main(["keys", "--manifest", str(manifest)]) == 2
+    assert capsys.readouterr().err == (f"servestack: {manifest}: key 'service.tp': expected an integer from 1 to 64 "
+                                       "(missing)\n")
+
+
+def test_servestack_keys_shows_the_shipped_manifest(capsys):
+    assert cli.main(["keys"]) == 0
+    assert "servestack_user_keys" in capsys.readouterr().out
+
+
+# -- a broken inventory (issue 18) ------------------------------------------------------------------
+
+# Each case has its own file name: pyinfra imports an inventory as a module of that name first.
+# The hosts are placeholders, refused before any connection should the inventory load after all.
+@pytest.mark.parametrize("name, inventory, group_data, expected", [
+    ("inv_syntax", 'hosts = ["gpu-1.example"\n', None,
+     r"^servestack: \S*inv_syntax\.py line 1: SyntaxError: '\[' was never closed$"),
+    ("inv_group_data", 'hosts = ["gpu-1.example"]\n', "x = undefined_name\n",
+     r"^servestack: \S*group_data/all\.py line 1: NameError: name 'undefined_name' is not defined$"),
+    ("inv_raises", 'hosts = ["gpu-1.example"]\nfail = 1 / 0\n', None,
+     r"^servestack: \S*inv_raises\.py line 2: ZeroDivisionError: division by zero$"),
+])
+def test_a_broken_inventory_is_one_line_naming_the_file_and_line(tmp_path, monkeypatch, capsys,
+                                                                  name, inventory, group_data, expected):
+    (tmp_path / f"{name}.py").write_text(inventory)
+    if group_data:
+        (tmp_path / "group_data").mkdir()
+        (tmp_path / "group_data" / "all.py").write_text(group_data)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["backups", f"{name}.py"]) == 2
+    err = capsys.readouterr().err
+    assert re.match(expected, err.strip()), err
+
+
+def test_servestack_sh_names_the_manifest_and_key_when_uv_version_is_missing(tmp_path):
+    """servestack.sh reads uv's version from the manifest before any Python of ours runs."""
+    import subprocess
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[2] / "servestack.sh").read_text()
+    function = script[script.index("uv_version() {"):script.index("\n}\n", script.index("uv_version() {")) + 3]
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "stack.toml").write_text('[uv]\nindex_url = "https://pypi.org/simple"\n')
+    broken = subprocess.run(["bash", "-c", function + "uv_version"], cwd=tmp_path, capture_output=True, text=True)
+    assert broken.returncode != 0 and "Traceback" not in broken.stderr
+    assert broken.stderr.strip() == "servestack: files/stack.toml: key 'uv.version': expected a version string like '0.13.9' (missing)"
+    (tmp_path / "files" / "stack.toml").write_text('[uv]\nversion = "0.13.9"\n')
+    fine = subprocess.run(["bash", "-c", function + "uv_version"], cwd=tmp_path, capture_output=True, text=True)
+    assert fine.stdout == "0.13.9\n"

@@ -1,0 +1,483 @@
+"""The toolkit step's host-side scripts (files/scripts/cuda-runfile.sh, cuda-toolkit.sh,
+upload-staging.sh), rendered by operations/toolkit.py and servestack/download.py and run here with
+`sh -c` as pyinfra runs them, against a temporary directory only: a fake runfile stands in for
+NVIDIA's installer, curl reads file:// URLs."""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from facts.toolkit import LinkChain
+from operations.toolkit import (
+    LOG_TAIL_LINES,
+    RunfileSource,
+    download_command,
+    install_command,
+    move_aside_command,
+    point_link_command,
+    reject_command,
+    restore_link_command,
+    verify_command,
+    write_json_command,
+)
+from servestack.manifest import DEFAULT_MANIFEST, Runfile
+from servestack.scripts import SCRIPTS, script_command
+from servestack.settings import settings_from_data
+
+STAMP = r"\d{8}T\d{6}Z"
+TOOLKIT_SCRIPTS = ("cuda-runfile.sh", "cuda-toolkit.sh", "upload-staging.sh")
+
+
+def sh(command: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def runfile_of(data: bytes, url: str = "http://mirror/x.run") -> Runfile:
+    return Runfile("x.run", url, len(data), hashlib.md5(data).hexdigest(), hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize("name", TOOLKIT_SCRIPTS)
+def test_each_script_is_valid_bash_and_states_its_contract_first(name):
+    text = (SCRIPTS / name).read_text()
+    assert text.startswith(f"# {name} "), "the first line names the script and its arguments"
+    assert subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("name", TOOLKIT_SCRIPTS)
+def test_an_unknown_subcommand_is_an_error(name):
+    result = sh(script_command(name, "frobnicate", "x", "y"))
+    assert result.returncode == 2 and "unknown command 'frobnicate'" in result.stderr
+
+
+# --- cuda-runfile.sh verify / reject ------------------------------------------------------------
+
+
+def test_verify_accepts_the_right_bytes_and_moves_aside_the_wrong(tmp_path):
+    data = b"runfile bytes"
+    runfile = runfile_of(data)
+    path = tmp_path / "x.run"
+    path.write_bytes(data)
+    assert sh(verify_command(runfile, str(path), ours=True)).returncode == 0
+    assert path.exists()
+    path.write_bytes(b"runfile bytez")
+    result = sh(verify_command(runfile, str(path), ours=True))
+    assert result.returncode == 1 and "md5" in result.stderr and "never used" in result.stderr
+    rejected = [p.name for p in tmp_path.iterdir()]
+    assert not path.exists() and len(rejected) == 1 and re.fullmatch(rf"x\.run\.rejected-{STAMP}", rejected[0])
+    assert f"moved aside to {path}.rejected-" in result.stderr
+
+
+def test_verify_names_the_first_difference(tmp_path):
+    data = b"runfile bytes"
+    path = tmp_path / "x.run"
+    path.write_bytes(data + b"!")
+    result = sh(verify_command(runfile_of(data), str(path), ours=True))
+    assert f"(size {len(data) + 1} bytes, expected {len(data)})" in result.stderr
+    path.write_bytes(data)
+    other_sha = Runfile("x.run", "http://m/x.run", len(data), hashlib.md5(data).hexdigest(), "b" * 64)
+    result = sh(verify_command(other_sha, str(path), ours=True))
+    assert f"(sha256 {hashlib.sha256(data).hexdigest()}, expected {'b' * 64})" in result.stderr
+
+
+def test_verify_never_moves_a_prestaged_file(tmp_path):
+    runfile = Runfile("x.run", "http://m/x.run", 3, "a" * 32, "b" * 64)
+    path = tmp_path / "x.run"
+    path.write_bytes(b"abc")
+    result = sh(verify_command(runfile, str(path), ours=False))
+    assert result.returncode == 1 and "pre-staged runfile" in result.stderr and "not used" in result.stderr
+    assert path.exists() and [p.name for p in tmp_path.iterdir()] == ["x.run"]
+
+
+def test_verify_renames_a_verified_download_to_the_cached_name(tmp_path):
+    data = b"runfile bytes"
+    part, cached = tmp_path / "x.run.part", tmp_path / "x.run"
+    part.write_bytes(data)
+    assert sh(verify_command(runfile_of(data), str(part), ours=True, dest=str(cached))).returncode == 0
+    assert cached.read_bytes() == data and not part.exists()
+
+
+def test_verify_of_a_missing_file_fails(tmp_path):
+    result = sh(verify_command(runfile_of(b"x"), str(tmp_path / "x.run"), ours=True))
+    assert result.returncode == 1 and f"runfile {tmp_path}/x.run is missing" in result.stderr
+
+
+def test_verify_handles_names_that_md5sum_escapes(tmp_path):
+    data = b"runfile bytes"
+    path = tmp_path / "back\\slash x.run"
+    path.write_bytes(data)
+    assert sh(verify_command(runfile_of(data), str(path), ours=True)).returncode == 0
+
+
+def test_reject_keeps_only_the_newest_rejected_copy(tmp_path):
+    path = tmp_path / "x.run"
+    (tmp_path / "x.run.rejected-20250101T000000Z").write_text("older")
+    path.write_text("bad")
+    result = sh(reject_command(str(path), "size 3 bytes, expected 9"))
+    assert result.returncode == 0
+    names = [p.name for p in tmp_path.iterdir()]
+    assert len(names) == 1 and re.fullmatch(rf"x\.run\.rejected-{STAMP}", names[0])
+    assert (tmp_path / names[0]).read_text() == "bad"
+    assert re.search(rf"servestack: {path} failed verification \(size 3 bytes, expected 9\): moved aside to "
+                     rf"{path}\.rejected-{STAMP}, never used", result.stderr)
+
+
+# --- cuda-runfile.sh download ---------------------------------------------------------------------
+
+DATA = hashlib.sha256(b"seed").digest() * 4096      # 128 KiB
+
+
+def served_file(tmp_path: Path) -> Runfile:
+    source = tmp_path / "served" / "x.run"
+    source.parent.mkdir()
+    source.write_bytes(DATA)
+    return runfile_of(DATA, f"file://{source}")
+
+
+def source_in(tmp_path: Path, runfile: Runfile) -> RunfileSource:
+    cache = tmp_path / "cache"
+    return RunfileSource(runfile, "host", str(cache / "x.run"), str(cache / "x.run.part"))
+
+
+@pytest.mark.skipif(not shutil.which("curl"), reason="no curl on this machine")
+def test_download_fetches_into_the_partial_file_creating_its_directory(tmp_path):
+    source = source_in(tmp_path, served_file(tmp_path))
+    result = sh(download_command(source))
+    assert result.returncode == 0, result.stderr
+    assert Path(source.part).read_bytes() == DATA and not Path(source.cached).exists()
+
+
+@pytest.mark.skipif(not shutil.which("curl"), reason="no curl on this machine")
+def test_download_resumes_what_is_there(tmp_path):
+    source = source_in(tmp_path, served_file(tmp_path))
+    Path(source.part).parent.mkdir()
+    Path(source.part).write_bytes(DATA[:50_000])
+    assert sh(download_command(source)).returncode == 0
+    assert Path(source.part).read_bytes() == DATA
+
+
+@pytest.mark.skipif(not shutil.which("curl"), reason="no curl on this machine")
+def test_download_that_cannot_be_had_says_so_and_keeps_the_partial_file(tmp_path):
+    runfile = runfile_of(DATA, f"file://{tmp_path}/nowhere/x.run")
+    source = source_in(tmp_path, runfile)
+    Path(source.part).parent.mkdir()
+    Path(source.part).write_bytes(DATA[:1000])
+    result = sh(download_command(source, attempts=1))
+    assert result.returncode == 1
+    assert re.search(r"download of file://\S+ failed \(curl exit \d+\) after 1 attempts; 1000 bytes kept in "
+                     r"\S+x\.run\.part, resumed by the next run", result.stderr)
+    assert Path(source.part).stat().st_size == 1000
+
+
+def hold_flock(path: Path) -> subprocess.Popen:
+    holder = subprocess.Popen(["flock", str(path), "sleep", "30"], start_new_session=True)
+    for _ in range(100):
+        if path.exists() and subprocess.run(["flock", "-n", str(path), "true"]).returncode != 0:
+            return holder
+        time.sleep(0.05)
+    raise AssertionError("flock was not taken")
+
+
+def release(holder: subprocess.Popen) -> None:
+    os.killpg(holder.pid, signal.SIGKILL)           # flock and the sleep holding the lock
+    holder.wait()
+
+
+@pytest.mark.skipif(not shutil.which("flock"), reason="no flock on this machine")
+def test_download_waits_for_nobody_while_another_holds_the_busy_lock(tmp_path):
+    source = source_in(tmp_path, served_file(tmp_path))
+    busy = tmp_path / "lock.busy"
+    holder = hold_flock(busy)
+    try:
+        result = sh(download_command(source, busy=str(busy)))
+    finally:
+        release(holder)
+    assert result.returncode == 1
+    assert "another download or install is still running on this host" in result.stderr
+    assert not Path(source.part).exists()
+
+
+# --- cuda-toolkit.sh restore-link / point-link / move-aside ------------------------------------------
+
+
+def test_restore_link_puts_back_only_changed_hops(tmp_path):
+    link, alt = tmp_path / "cuda", tmp_path / "alternatives-cuda"
+    (tmp_path / "cuda-12.8").mkdir()
+    (tmp_path / "cuda-13.0").mkdir()
+    alt.symlink_to(tmp_path / "cuda-12.8")
+    link.symlink_to(alt)
+    chain = LinkChain(str(link), ((str(link), str(alt)), (str(alt), str(tmp_path / "cuda-12.8"))), None, "link")
+    assert sh(restore_link_command(chain)).stderr == ""
+    link.unlink()
+    link.symlink_to(tmp_path / "cuda-13.0")           # what a re-pointing installer does
+    result = sh(restore_link_command(chain))
+    assert result.returncode == 0
+    assert result.stderr == (f"servestack: {link} was re-pointed to '{tmp_path}/cuda-13.0' (by the installer?): "
+                             f"restored -> {alt}\n")
+    assert Path.readlink(link) == alt and Path.readlink(alt) == tmp_path / "cuda-12.8"
+    assert not (tmp_path / "cuda.servestack-new").exists()
+
+
+def test_restore_link_removes_a_link_that_did_not_exist(tmp_path):
+    link = tmp_path / "cuda"
+    link.symlink_to("cuda-13.0")
+    result = sh(restore_link_command(LinkChain(str(link))))
+    assert not link.is_symlink()
+    assert "the installer created" in result.stderr and "removed (it did not exist before)" in result.stderr
+
+
+def test_restore_link_leaves_a_directory_where_a_link_was(tmp_path):
+    link = tmp_path / "cuda"
+    link.mkdir()
+    result = sh(restore_link_command(LinkChain(str(link), ((str(link), "cuda-12.8"),), None, "link")))
+    assert result.returncode == 1 and "is no longer a symlink: cannot restore -> cuda-12.8" in result.stderr
+    assert link.is_dir() and not link.is_symlink()
+
+
+def test_point_link_replaces_the_link(tmp_path):
+    link = tmp_path / "cuda"
+    link.symlink_to("cuda-12.8")
+    assert sh(point_link_command(str(link), "/usr/local/cuda-13.0")).returncode == 0
+    assert os.readlink(link) == "/usr/local/cuda-13.0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda"]
+
+
+def test_move_aside_moves_the_tree_and_forgets_its_marker(tmp_path):
+    tree, state = tmp_path / "cuda-13.0", tmp_path / "state"
+    (tree / "targets").mkdir(parents=True)
+    (tree / "targets" / "x").write_text("partial")
+    state.mkdir()
+    (state / "toolkit-install.json").write_text("{}")
+    result = sh(move_aside_command(str(tree), str(state)))
+    assert result.returncode == 0, result.stderr
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("cuda-13.0.failed-")]
+    assert len(moved) == 1 and (moved[0] / "targets" / "x").read_text() == "partial"
+    assert not tree.exists() and not (state / "toolkit-install.json").exists()
+    assert f"moved the interrupted install aside to {moved[0]}" in result.stderr
+
+
+# --- cuda-toolkit.sh install ---------------------------------------------------------------------
+
+NVCC_13 = "Cuda compilation tools, release 13.0, V13.0.88"
+
+
+def fake_runfile(lab: Path, mode: str) -> bytes:
+    """A runfile standing in for NVIDIA's (run as `sh FILE FLAGS...`): records how it was run, then
+    installs (normal), fails midway re-pointing the link (fail), leaves an nvcc that cannot run
+    (broken) or one of another version (other)."""
+    nvcc = {"broken": "exit 126", "other": "echo 'Cuda compilation tools, release 12.8, V12.8.93'"}.get(
+        mode, f"echo '{NVCC_13}'")
+    failing = (f"ln -sfn \"$p\" {lab}/cuda; echo '[ERROR]: Install of CUDA Toolkit 13.0 failed, quitting' >> "
+               f"{lab}/installer.log; echo 'extraction failed' >&2; exit 1")
+    return f"""printf '%s\\n' "$@" > {lab}/args
+printf '%s\\n' "$TMPDIR" > {lab}/tmpdir
+cat {lab}/state/toolkit-install.json > {lab}/marker-while-running
+if flock -n {lab}/state/lock.busy true; then echo free; else echo held; fi > {lab}/busy-while-running
+for a in "$@"; do case $a in --installpath=*) p=${{a#--installpath=}} ;; esac; done
+mkdir -p "$p/bin"
+cat > "$p/bin/nvcc" <<'NVCC'
+#!/bin/sh
+{nvcc}
+NVCC
+chmod 755 "$p/bin/nvcc"
+echo '{{"cuda": {{"version": "13.0.1"}}, "cuda_nvcc": {{"version": "13.0.88"}}}}' > "$p/version.json"
+for i in $(seq 1 30); do echo "[INFO]: log line $i" >> {lab}/installer.log; done
+echo "installer says hello"
+{failing if mode == "fail" else "exit 0"}
+""".encode()
+
+
+def lab_manifest(root: Path, runfile: bytes | None = None) -> Path:
+    """The project's manifest with /usr/local/cuda and the installer log in `root` (and, given a
+    runfile, that runfile's size and checksums for this machine's architecture)."""
+    text = DEFAULT_MANIFEST.read_text()
+    text = text.replace('log_path = "/var/log/cuda-installer.log"', f'log_path = "{root}/installer.log"')
+    text = text.replace('link_path = "/usr/local/cuda"', f'link_path = "{root}/cuda"')
+    if runfile is not None:
+        start = text.index(f"[cuda.runfile.{os.uname().machine}]")
+        end = text.index("\n[", start + 1)
+        info = runfile_of(runfile)
+        body = re.sub(r"size = \d+", f"size = {info.size}", text[start:end])
+        body = re.sub(r'md5 = "[0-9a-f]+"', f'md5 = "{info.md5}"', body)
+        body = re.sub(r'sha256 = "[0-9a-f]+"', f'sha256 = "{info.sha256}"', body)
+        text = text[:start] + body + text[end:]
+    path = root / "stack.toml"
+    path.write_text(text)
+    return path
+
+
+def lab_data(root: Path, manifest: Path) -> dict:
+    """Host data placing every toolkit path of the step in `root`."""
+    return {"servestack_manifest": str(manifest), "cuda_install_path": str(root / "cuda-13.0"),
+            "cuda_tmpdir": str(root / "tmp"), "cuda_cache_dir": str(root / "cache"),
+            "servestack_state_dir": str(root / "state")}
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """Settings whose every toolkit path is in tmp_path, with its cuda -> cuda-12.8."""
+    settings = settings_from_data("h1", lab_data(tmp_path, lab_manifest(tmp_path)))
+    (tmp_path / "cuda-12.8").mkdir()
+    (tmp_path / "cuda").symlink_to("cuda-12.8")
+    chain = LinkChain(str(tmp_path / "cuda"), ((str(tmp_path / "cuda"), "cuda-12.8"),), None, "link")
+    return tmp_path, settings, chain
+
+
+def staged(lab, mode: str, prestaged: bool = False) -> RunfileSource:
+    """The fake runfile downloaded completely into <cache>/x.run.part (or pre-staged at /srv/x.run)."""
+    root, _, _ = lab
+    data = fake_runfile(root, mode)
+    if prestaged:
+        path = root / "srv" / "x.run"
+        source = RunfileSource(runfile_of(data), "prestaged", str(path), None)
+    else:
+        path = root / "cache" / "x.run.part"
+        source = RunfileSource(runfile_of(data), "host", str(root / "cache" / "x.run"), str(path))
+    path.parent.mkdir()
+    path.write_bytes(data)
+    return source
+
+
+def install(lab, source: RunfileSource, use: str | None = None, keep: bool = True) -> subprocess.CompletedProcess:
+    root, settings, chain = lab
+    return sh(install_command(settings, source, use or source.part or source.cached, chain if keep else None,
+                              "run-1"))
+
+
+@pytest.mark.skipif(not shutil.which("flock"), reason="no flock on this machine")
+def test_install_runs_the_verified_runfile_toolkit_only_under_the_busy_lock(lab):
+    root, settings, _ = lab
+    source = staged(lab, "normal")
+    result = install(lab, source)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"installed CUDA 13.0.1 into {root}/cuda-13.0\n"
+    assert (root / "args").read_text().split() == [*settings.manifest.cuda["installer_flags"],
+                                                   f"--installpath={root}/cuda-13.0", f"--tmpdir={root}/tmp"]
+    assert (root / "tmpdir").read_text().strip() == f"{root}/tmp"
+    assert (root / "busy-while-running").read_text().strip() == "held"
+    marker = json.loads((root / "marker-while-running").read_text())
+    assert marker["path"] == f"{root}/cuda-13.0" and marker["run_id"] == "run-1" and marker["version"] == "13.0.1"
+    # the marker stays until the step's checks pass (operations/toolkit.py removes it)
+    assert (root / "state" / "toolkit-install.json").exists()
+    assert Path(source.cached).exists() and not Path(source.part).exists()
+    assert not (root / "tmp" / "servestack-cuda-installer.out").exists()
+    assert os.readlink(root / "cuda") == "cuda-12.8"
+
+
+def test_a_prestaged_runfile_is_run_where_it_is(lab):
+    root, _, _ = lab
+    source = staged(lab, "normal", prestaged=True)
+    assert install(lab, source).returncode == 0
+    assert (root / "srv" / "x.run").exists() and not (root / "cache").exists()
+
+
+def test_failed_install_moves_the_tree_aside_shows_the_log_tail_and_restores_the_link(lab):
+    root, _, _ = lab
+    result = install(lab, staged(lab, "fail"))
+    assert result.returncode == 1
+    err = result.stderr
+    assert re.search(rf"servestack: CUDA 13\.0\.1 install failed \(installer exit 1\); the partial tree was moved "
+                     rf"aside to {root}/cuda-13\.0\.failed-{STAMP}", err)
+    assert (f"servestack: {root}/cuda was re-pointed to '{root}/cuda-13.0' (by the installer?): "
+            "restored -> cuda-12.8") in err
+    assert "servestack: installer output (last lines):\ninstaller says hello\nextraction failed\n" in err
+    assert f"servestack: last lines of {root}/installer.log:" in err
+    assert "[ERROR]: Install of CUDA Toolkit 13.0 failed, quitting" in err
+    tail = err[err.index("last lines of"):].splitlines()[1:]
+    assert len(tail) == LOG_TAIL_LINES and "[INFO]: log line 7" in tail[0]
+    assert os.readlink(root / "cuda") == "cuda-12.8"
+    assert not (root / "cuda-13.0").exists() and len(list(root.glob("cuda-13.0.failed-*"))) == 1
+    assert not (root / "state" / "toolkit-install.json").exists()
+    assert (root / "cache" / "x.run").exists()                       # the verified runfile stays
+    assert not (root / "tmp" / "servestack-cuda-installer.out").exists()
+
+
+def test_failed_install_without_a_kept_link_leaves_the_link_alone(lab):
+    root, _, _ = lab
+    result = install(lab, staged(lab, "fail"), keep=False)
+    assert result.returncode == 1 and "restored" not in result.stderr
+    assert os.readlink(root / "cuda") == f"{root}/cuda-13.0"
+
+
+@pytest.mark.parametrize("mode, why", [
+    ("broken", "installer exit 0, but {root}/cuda-13.0/bin/nvcc does not run"),
+    ("other", "installer exit 0, but {root}/cuda-13.0/bin/nvcc reports: Cuda compilation tools, release 12.8, "
+              "V12.8.93"),
+])
+def test_an_installer_exit_0_is_not_enough(lab, mode, why):
+    root, _, _ = lab
+    result = install(lab, staged(lab, mode))
+    assert result.returncode == 1
+    assert why.format(root=root) in result.stderr
+    assert "the partial tree was moved aside" in result.stderr and not (root / "cuda-13.0").exists()
+    assert f"no {root}/installer.log" not in result.stderr
+
+
+def test_a_runfile_that_fails_verification_is_never_run(lab):
+    root, _, _ = lab
+    source = staged(lab, "normal")
+    Path(source.part).write_bytes(Path(source.part).read_bytes().replace(b"hello", b"HELLO"))
+    result = install(lab, source)
+    assert result.returncode == 1 and "fails verification (md5" in result.stderr
+    assert not (root / "args").exists() and not (root / "state").exists()
+    assert len(list((root / "cache").glob("x.run.part.rejected-*"))) == 1
+
+
+@pytest.mark.skipif(not shutil.which("flock"), reason="no flock on this machine")
+def test_install_waits_for_nobody_while_another_holds_the_busy_lock(lab):
+    root, _, _ = lab
+    (root / "state").mkdir()
+    holder = hold_flock(root / "state" / "lock.busy")
+    try:
+        result = install(lab, staged(lab, "normal"))
+    finally:
+        release(holder)
+    assert result.returncode == 1 and "another CUDA install is still running on this host" in result.stderr
+    assert not (root / "args").exists() and not (root / "state" / "toolkit-install.json").exists()
+
+
+# --- records --------------------------------------------------------------------------------------
+
+
+def test_json_records_are_written_whole(tmp_path):
+    path = tmp_path / "state" / "toolkits.json"
+    record = {"schema": 1, "toolkits": {"/usr/local/cuda-12.8": {"nvcc": "line one\nline 'two'"}}}
+    assert sh(write_json_command(str(path), record)).returncode == 0
+    assert json.loads(path.read_text()) == record
+    assert path.read_text() == json.dumps(record, indent=1, sort_keys=True) + "\n"
+    assert [p.name for p in path.parent.iterdir()] == ["toolkits.json"]
+
+
+# --- upload-staging.sh ----------------------------------------------------------------------------
+
+
+def test_upload_staging_resumes_a_partial_file_and_places_the_upload(tmp_path):
+    user = pwd.getpwuid(os.getuid()).pw_name
+    owner = f"{user}:{grp.getgrgid(os.getgid()).gr_name}"
+    remote = tmp_path / "cache" / "x.run.part"
+    remote.parent.mkdir()
+    remote.write_bytes(b"first half")
+    prepared = sh(script_command("upload-staging.sh", "prepare", str(remote), user))
+    assert prepared.returncode == 0, prepared.stderr
+    staged_path = Path(prepared.stdout.strip())
+    assert staged_path == tmp_path / "cache" / f".incoming-{user}" / "x.run.part"
+    assert staged_path.read_bytes() == b"first half" and not remote.exists()
+    assert oct(staged_path.parent.stat().st_mode & 0o777) == "0o700"
+    # prepared again (a retry): what is staged stays staged
+    assert sh(script_command("upload-staging.sh", "prepare", str(remote), user)).stdout.strip() == str(staged_path)
+    staged_path.write_bytes(b"first half, second half")
+    placed = sh(script_command("upload-staging.sh", "place", str(remote), user, owner))
+    assert placed.returncode == 0, placed.stderr
+    assert remote.read_bytes() == b"first half, second half"
+    assert sorted(p.name for p in remote.parent.iterdir()) == ["x.run.part"]
