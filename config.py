@@ -2,14 +2,22 @@
 
 It makes servestack validate the manifest and every targeted host's data as soon as the
 inventory is loaded, before pyinfra opens any connection: bad input stops the run with one
-message naming each host, key and expectation. It also sets TCP_NODELAY on every SSH connection
+message naming each host, key and expectation. Then it follows the run for its recap and for
+interruptions (servestack/runreport.py). It also sets TCP_NODELAY on every SSH connection
 (servestack/pyinfra_hooks.py says why).
 """
 
 from pyinfra import state
 
+from servestack import runreport
 from servestack.preconnect import validate_targets
 from servestack.pyinfra_hooks import enable_tcp_nodelay, validate_after_inventory_load
 
-validate_after_inventory_load(state, validate_targets)
+
+def inventory_loaded(loaded_state) -> None:
+    validate_targets(loaded_state)
+    runreport.install(loaded_state)
+
+
+validate_after_inventory_load(state, inventory_loaded)
 enable_tcp_nodelay()

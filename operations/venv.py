@@ -43,7 +43,7 @@ from operations.releases import (
 )
 from operations.releases import rollback_target as choose_rollback_target
 from servestack import reads
-from servestack.hostrun import noop, refuse, refuse_now, utc_stamp, while_busy
+from servestack.hostrun import note, noop, refuse, refuse_now, utc_stamp, while_busy
 from servestack.settings import host_settings
 
 
@@ -269,7 +269,10 @@ def plan() -> ReleasePlan | None:
     if state is None:
         refuse_now(host, [_no_python(settings)])
         return None
-    return _plan(settings, state)
+    release = _plan(settings, state)
+    note(host, "release", release.id)
+    note(host, "was", state["venv_path"].get("release"))
+    return release
 
 
 @deploy("ML environment: backup")
@@ -305,6 +308,8 @@ def rollback_target() -> Release | None:
     except NoRollbackTarget as reason:
         refuse_now(host, [str(reason)])
         return None
+    note(host, "release", target)
+    note(host, "was", state["venv_path"].get("release"))
     return release_at(settings.venv_releases_dir, target)
 
 

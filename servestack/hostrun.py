@@ -27,6 +27,8 @@ from pyinfra.context import ContextObject
 from servestack.scripts import script
 
 _RUNS: "WeakKeyDictionary" = WeakKeyDictionary()     # State -> {"id", "started"}
+_REFUSED: "WeakKeyDictionary" = WeakKeyDictionary()  # State -> {host name: the problems it was refused for}
+_NOTES: "WeakKeyDictionary" = WeakKeyDictionary()    # State -> {host name: {what: value}} for the recap
 _LOCKED: "WeakKeyDictionary" = WeakKeyDictionary()   # State -> {host name: release command}
 
 
@@ -79,7 +81,22 @@ def noop(host, text: str) -> None:
         host.log(f"no change: {text}")
 
 
+def refusals(state) -> dict[str, list[str]]:
+    """The hosts this run refused or failed with a message, and why (servestack/runreport.py)."""
+    return _REFUSED.get(state, {})
+
+
+def note(host, what: str, value) -> None:
+    """Tell the run's recap something about this host (e.g. the release it leaves active)."""
+    _NOTES.setdefault(host.state, {}).setdefault(host.name, {})[what] = value
+
+
+def notes(state) -> dict[str, dict]:
+    return _NOTES.get(state, {})
+
+
 def _log_problems(host, problems: list[str]) -> None:
+    _REFUSED.setdefault(host.state, {}).setdefault(host.name, []).extend(problems)
     for problem in problems:
         host.log_styled(f"refused: {problem}", fg="red", log_func=logger.error)
 

@@ -6,6 +6,8 @@
 # of COMMAND still holds lock.busy (files/scripts/lock.sh `lock_alive`): a second run then
 # refuses the host naming RUN_ID, STEP and since when, instead of working beside it. The record is
 # removed when COMMAND ends; one left behind names the step an interrupted run was in.
+# COMMAND runs with SIGHUP and SIGPIPE ignored: when the run's connection goes (its controller was
+# killed), the step finishes on the host instead of dying half-way at its next line of output.
 # Exit: COMMAND's exit status; 75 printing `busy <activity json>` on stderr when another process
 # holds lock.busy; 1 when flock is missing.
 state=${1%/}; run=$2; step=$3; shift 3
@@ -20,6 +22,7 @@ fi
 printf '{"run_id": "%s", "step": "%s", "since": "%s", "pid": %s}\n' \
     "$run" "$step" "$(date -u +%Y%m%dT%H%M%SZ)" "$$" > "$state/lock.activity.new.$$" \
     && mv -f "$state/lock.activity.new.$$" "$state/lock.activity"
+trap '' HUP PIPE
 "$@"
 status=$?
 rm -f "$state/lock.activity"

@@ -1,0 +1,200 @@
+"""What a deploy or rollback run tells the operator at its end, and when it is interrupted.
+
+`install(state)` (config.py, once pyinfra has loaded the inventory) registers a state callback that
+follows each host through the execute stage: the operation it is in, the operations that failed.
+Then:
+
+- Ctrl-C or SIGTERM: one line per host naming the step it was in and what the next run will do
+  about it, and the run ends with 130 (SIGINT) or 143 (SIGTERM), never 0. Long host-side steps
+  (the CUDA install, a venv build, a health-gated restart) run under files/scripts/busy.sh: they
+  finish on the host, holding its lock, and a run that comes meanwhile refuses the host naming them.
+- A normal end: the recap, one line per host in the spirit of Ansible's PLAY RECAP: changed,
+  unchanged, failed or refused, the release the run leaves active, whether the service restarted,
+  and the first reason of a failure or refusal; with `--json`, the same as one JSON object on
+  standard error (standard output stays pyinfra's JSON).
+- A confirmation prompt with standard input closed ends with a message, not an EOFError traceback.
+
+Everything here uses pyinfra's public callbacks and Python's own hooks (signal, atexit, excepthook).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from pyinfra.api.state import BaseStateCallback
+
+from servestack.hostrun import notes, refusals
+
+EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+# What the next run does about a step interrupted on a host (by words of its operation's name).
+LONG_STEPS = {
+    "cuda toolkit": "the download or installer goes on on the host, holding the host's lock; the next run "
+             "refuses the host until it ends, then finishes or moves aside the install (toolkit-install.json)",
+    "build release": "the build goes on on the host, holding the host's lock; the next run refuses the host "
+                     "until it ends, then uses the release if it was built and checked, or rebuilds it",
+    "health-gated restart": "the health gate goes on on the host until the service is healthy or rolled back "
+                            "to its last good unit, holding the host's lock; the next run refuses the host "
+                            "until then, then checks the unit again",
+}
+SHORT_STEP = ("the next run finds this run's lock stale, says so in its first lines, replaces it and "
+              "converges the host again (each step checks what is there)")
+
+
+@dataclass
+class HostProgress:
+    current: str | None = None                 # the operation running on the host now (execute)
+    failed: list[str] = field(default_factory=list)   # hashes of the operations that failed on it
+
+
+class RunReport(BaseStateCallback):
+    """Follows every host through the execute stage (pyinfra's public state callbacks)."""
+
+    def __init__(self, state):
+        self.state = state
+        self.hosts: dict[str, HostProgress] = {}
+
+    def progress(self, host) -> HostProgress:
+        return self.hosts.setdefault(host.name, HostProgress())
+
+    def operation_host_start(self, state, host, op_hash):
+        self.progress(host).current = _op_name(state, op_hash)
+
+    def operation_host_success(self, state, host, op_hash, retry_count=0):
+        self.progress(host).current = None
+
+    def operation_host_error(self, state, host, op_hash, retry_attempt=0, max_retries=0):
+        progress = self.progress(host)
+        progress.current = None
+        progress.failed.append(op_hash)
+
+
+def _op_name(state, op_hash) -> str:
+    """The operation's name as pyinfra shows it ("<deploy> | <operation>"). One operation has one
+    name per host when the name carries a host's own value (a release id): then the deploy's name."""
+    names = sorted(state.get_op_meta(op_hash).names)
+    if len(names) == 1:
+        return names[0]
+    steps = {name.split(" | ")[0] for name in names}
+    return steps.pop() if len(steps) == 1 else ", ".join(names) or "an operation"
+
+
+def next_run_for(step: str) -> str:
+    return next((what for words, what in LONG_STEPS.items() if words in step.lower()), SHORT_STEP)
+
+
+def interruption_lines(report: RunReport) -> list[str]:
+    """One line per host: the step it was in, and what the next run will do about it."""
+    state = report.state
+    if not state.is_executing:
+        return ["interrupted while pyinfra prepared the run: nothing was changed on any host"]
+    lines = []
+    for host in state.inventory.iter_activated_hosts():
+        progress = report.progress(host)
+        if progress.current:
+            lines.append(f"[{host.name}] interrupted during '{progress.current}': {next_run_for(progress.current)}")
+        else:
+            lines.append(f"[{host.name}] interrupted between steps: {SHORT_STEP}")
+    return lines
+
+
+def host_recap(report: RunReport, host) -> dict:
+    """changed / unchanged / failed / refused, with counts, the release left active, the service."""
+    state = report.state
+    refused = refusals(state).get(host.name)
+    ops = [state.get_op_data_for_host(host, op_hash).operation_meta for op_hash in state.ops.get(host, {})]
+    complete = [meta for meta in ops if meta.is_complete()]
+    changed = sum(1 for meta in complete if meta.did_change())
+    failed = host in state.failed_hosts
+    noted = notes(state).get(host.name, {})
+    if refused and not report.progress(host).failed:
+        status = "refused"
+    elif failed:
+        status = "failed"
+    else:
+        status = "changed" if changed else "unchanged"
+    failures = report.progress(host).failed
+    reason = (refused or [None])[0] or (failure_reason(state, host, failures[0]) if failures else None)
+    restarted = any("Health-gated restart" in name and meta.did_change()
+                    for op_hash, meta in zip(state.ops.get(host, {}), ops) if meta.is_complete()
+                    for name in state.get_op_meta(op_hash).names)
+    return {"host": host.name, "status": status, "changed": changed if status != "refused" else 0,
+            "unchanged": len(complete) - changed if status != "refused" else 0,
+            "release": noted.get("release") if status in ("changed", "unchanged") else noted.get("was"),
+            "service_restarted": restarted, "reason": reason}
+
+
+def failure_reason(state, host, op_hash) -> str:
+    """The failed operation's name and its first line of servestack's (or its last line of) stderr."""
+    meta = state.get_op_data_for_host(host, op_hash).operation_meta
+    lines = [line.strip() for line in (meta.stderr_lines if meta.is_complete() else []) if line.strip()]
+    ours = [line for line in lines if line.startswith("servestack:")]
+    said = (ours or lines[-1:] or ["no error output"])[0]
+    return f"'{_op_name(state, op_hash)}' failed: {said}"
+
+
+def recap(report: RunReport) -> list[dict]:
+    return [host_recap(report, host) for host in report.state.inventory if report.state.is_host_in_limit(host)]
+
+
+def recap_lines(rows: list[dict]) -> list[str]:
+    width = max([len(row["host"]) for row in rows] + [4])
+    lines = ["SERVESTACK RECAP"]
+    for row in rows:
+        release = row["release"] or "-"
+        service = "restarted" if row["service_restarted"] else "not restarted"
+        line = (f"{row['host']:<{width}}  {row['status']:<9} changed={row['changed']} unchanged={row['unchanged']} "
+                f"release={release} service={service}")
+        if row["reason"]:
+            line += f"  reason: {row['reason']}"
+        lines.append(line)
+    return lines
+
+
+def _write(lines: list[str]) -> None:
+    sys.stdout.flush()
+    sys.stderr.write("".join(f"{line}\n" for line in lines))
+    sys.stderr.flush()
+
+
+def _on_signal(report: RunReport, signum):
+    def handler(number, frame):
+        _write(interruption_lines(report))
+        os._exit(EXIT_STATUS[signum])
+    return handler
+
+
+def _at_exit(report: RunReport, as_json: bool):
+    def show():
+        if not report.state.is_executing and not refusals(report.state):
+            return  # a dry run, or nothing ran: pyinfra's own output says it all
+        rows = recap(report)
+        _write(recap_lines(rows) if not as_json else [json.dumps({"servestack_recap": rows}, sort_keys=True)])
+    return show
+
+
+def _closed_stdin_hook(previous):
+    def hook(kind, value, traceback):
+        if issubclass(kind, EOFError):
+            _write(["servestack: pyinfra asked for confirmation, but standard input is closed: "
+                    "look with --dry first, then run with -y to apply without asking"])
+            return
+        previous(kind, value, traceback)
+    return hook
+
+
+def install(state, argv: list[str] | None = None) -> RunReport:
+    """Follow this run's hosts; report interruptions, the recap at the end, a closed-stdin prompt."""
+    argv = sys.argv if argv is None else argv
+    report = RunReport(state)
+    state.add_callback_handler(report)
+    for signum in EXIT_STATUS:
+        signal.signal(signum, _on_signal(report, signum))
+    atexit.register(_at_exit(report, "--json" in argv))
+    sys.excepthook = _closed_stdin_hook(sys.excepthook)
+    return report

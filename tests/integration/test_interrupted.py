@@ -1,0 +1,131 @@
+"""A run that is interrupted, refused or repeated leaves every host consistent, and says so (issue 16).
+
+The interrupted run is the real pyinfra CLI with the real deploy.py, stopped by SIGTERM or SIGINT
+(Ctrl-C) while a long host-side step runs (files/scripts/busy.sh records it in lock.activity).
+"""
+
+import json
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from pyinfra_run import PYINFRA, ROOT, apply, run_pyinfra
+from servestack.sandbox.lab import STANDIN_SERVER_DIR
+
+pytestmark = pytest.mark.integration
+
+ACTIVITY = "/var/lib/servestack/lock.activity"
+
+
+def start(lab, *args: str) -> subprocess.Popen:
+    argv = lab.controller_argv([PYINFRA, str(lab.inventory_path), "deploy.py", "-y", *args])
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+
+
+def wait_for_step(lab, host, words: str, timeout: float = 240) -> dict:
+    """The host's lock.activity once it names a step containing `words`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = lab.exec(host, f"cat {ACTIVITY} 2>/dev/null").stdout.strip()
+        if words in text:
+            return json.loads(text)
+        time.sleep(0.2)
+    raise AssertionError(f"no step with {words!r} started on {host.name} within {timeout} s")
+
+
+def wait_until_idle(lab, host, timeout: float = 240) -> None:
+    """Until no long step of any run holds the host's lock.busy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if lab.exec(host, "flock -n /var/lib/servestack/lock.busy true").returncode == 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{host.name} still busy after {timeout} s")
+
+
+def interrupt(run: subprocess.Popen, signum: int) -> str:
+    run.send_signal(signum)
+    output, _ = run.communicate(timeout=120)
+    return output
+
+
+def test_sigterm_during_the_venv_build_then_an_immediate_rerun_leaves_one_release_built_once(lab):
+    the_lab = lab(1)
+    host = the_lab.hosts[0]
+    run = start(the_lab)
+    building = wait_for_step(the_lab, host, "venv build")
+    release = building["step"].split()[-1]
+    output = interrupt(run, signal.SIGTERM)
+    assert run.returncode == 143, output[-4000:]
+    assert f"[h1] interrupted during 'ML environment: build release | Build release {release}'" in output
+    assert "the build goes on on the host, holding the host's lock" in output
+
+    again = run_pyinfra(the_lab, "-y")  # at once: the killed run's build is still running there
+    assert again.returncode != 0
+    assert (f"another servestack run holds /var/lib/servestack/lock: run {building['run_id']}" in again.output
+            and f"its connection is gone, but 'venv build {release}'" in again.output), again.output[-4000:]
+    assert "SERVESTACK RECAP" in again.output and re.search(r"^h1 +refused +changed=0", again.output, re.M)
+
+    wait_until_idle(the_lab, host)
+    final = apply(the_lab)
+    assert final.totals["error"] == 0
+    record = json.loads(the_lab.exec(host, f"cat /opt/servestack/releases/{release}/release.json", check=True).stdout)
+    assert record["status"] == "ok"
+    log = the_lab.exec(host, f"cat /opt/servestack/releases/{release}/build.log", check=True).stdout
+    assert log.count("pip compile") == 1, "the release was built more than once"
+    assert the_lab.exec(host, "readlink /opt/ml-env", check=True).stdout.strip().endswith(f"{release}/venv")
+    assert apply(the_lab).totals["success"] == 0
+
+
+def test_ctrl_c_during_the_health_gated_restart_ends_non_zero_and_the_gate_finishes_on_the_host(lab):
+    the_lab = lab(1)
+    host = the_lab.hosts[0]
+    apply(the_lab)
+    slow = json.dumps({"PYTHONPATH": STANDIN_SERVER_DIR, "FAKE_SGLANG_STARTUP_S": "8"})
+    run = start(the_lab, "--data", f"service_env={slow}")
+    wait_for_step(the_lab, host, "health-gated restart")
+    output = interrupt(run, signal.SIGINT)
+    assert run.returncode == 130, output[-4000:]
+    assert "[h1] interrupted during 'SGLang service | Health-gated restart of sglang.service'" in output
+    assert "the health gate goes on on the host" in output
+
+    again = run_pyinfra(the_lab, "-y", "--data", f"service_env={slow}")
+    assert again.returncode != 0 and "'health-gated restart of sglang.service'" in again.output, again.output[-4000:]
+    wait_until_idle(the_lab, host)
+    assert the_lab.exec(host, "systemctl is-active sglang.service").stdout.strip() == "active"
+    final = apply(the_lab, "deploy.py", "--data", f"service_env={slow}")
+    assert final.totals["error"] == 0
+    assert "the previous run did not finish on this host" in final.output or "stale" in final.output
+    assert apply(the_lab, "deploy.py", "--data", f"service_env={slow}").totals["success"] == 0
+
+
+def test_the_recap_names_each_host_changed_unchanged_and_refused(lab):
+    the_lab = lab(2)
+    first = run_pyinfra(the_lab, "-y")
+    assert first.returncode == 0, first.output[-4000:]
+    lines = [line for line in first.output.splitlines() if line.startswith(("h1 ", "h2 "))]
+    assert len(lines) == 2 and all(" changed " in line and "service=restarted" in line for line in lines), lines
+    assert all("release=r-" in line for line in lines)
+    second = run_pyinfra(the_lab, "-y", "--json")
+    recap = json.loads([line for line in second.stderr.splitlines() if "servestack_recap" in line][-1])
+    assert [row["status"] for row in recap["servestack_recap"]] == ["unchanged", "unchanged"]
+    assert all(row["changed"] == 0 and not row["service_restarted"] for row in recap["servestack_recap"])
+    refused = run_pyinfra(the_lab, "-y", "--limit", "h1", "--data", 'gpu_compute_capability="9.0"')
+    assert refused.returncode != 0
+    line = [line for line in refused.output.splitlines() if line.startswith("h1 ")][-1]
+    assert "refused" in line and "changed=0" in line and "reason: 8 of 8 GPUs are not compute capability 9.0" in line
+
+
+def test_the_recap_names_a_failed_host_and_why(lab):
+    the_lab = lab(1)
+    apply(the_lab)
+    crash = json.dumps({"PYTHONPATH": STANDIN_SERVER_DIR, "FAKE_SGLANG_MODE": "crash"})
+    failed = run_pyinfra(the_lab, "-y", "--data", f"service_env={crash}")
+    assert failed.returncode != 0
+    line = [line for line in failed.output.splitlines() if line.startswith("h1 ")][-1]
+    assert re.search(r"^h1 +failed +changed=\d+", line), line
+    assert "reason: 'SGLang service | Health-gated restart of sglang.service' failed: servestack:" in line, line
