@@ -7,15 +7,21 @@ interruptions (servestack/runreport.py). It also sets TCP_NODELAY on every SSH c
 (servestack/pyinfra_hooks.py says why).
 """
 
+import sys
+
 from pyinfra import state
 
 from servestack import runreport
+from servestack.errors import ConfigError
 from servestack.preconnect import validate_targets
 from servestack.pyinfra_hooks import enable_tcp_nodelay, validate_after_inventory_load
 
 
 def inventory_loaded(loaded_state) -> None:
     validate_targets(loaded_state)
+    problem = runreport.prompt_problem(sys.argv)
+    if problem:
+        raise ConfigError(problem)
     runreport.install(loaded_state)
 
 

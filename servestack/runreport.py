@@ -12,9 +12,10 @@ Then:
   unchanged, failed or refused, the release the run leaves active, whether the service restarted,
   and the first reason of a failure or refusal; with `--json`, the same as one JSON object on
   standard error (standard output stays pyinfra's JSON).
-- A confirmation prompt with standard input closed ends with a message, not an EOFError traceback.
+- A run that would ask for confirmation with standard input closed (or /dev/null) is refused before
+  connecting, with a message (`prompt_problem`), instead of pyinfra's EOFError traceback.
 
-Everything here uses pyinfra's public callbacks and Python's own hooks (signal, atexit, excepthook).
+Everything here uses pyinfra's public callbacks and Python's own hooks (signal, atexit).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import atexit
 import json
 import os
 import signal
+import stat
 import sys
 from dataclasses import dataclass, field
 
@@ -178,23 +180,31 @@ def _at_exit(report: RunReport, as_json: bool):
     return show
 
 
-def _closed_stdin_hook(previous):
-    def hook(kind, value, traceback):
-        if issubclass(kind, EOFError):
-            _write(["servestack: pyinfra asked for confirmation, but standard input is closed: "
-                    "look with --dry first, then run with -y to apply without asking"])
-            return
-        previous(kind, value, traceback)
-    return hook
+def _stdin_closed(fd: int = 0) -> bool:
+    """Standard input is closed, or /dev/null: a prompt would read end-of-file at once."""
+    try:
+        found = os.fstat(fd)
+    except OSError:
+        return True
+    null = os.stat(os.devnull)
+    return stat.S_ISCHR(found.st_mode) and found.st_rdev == null.st_rdev
+
+
+def prompt_problem(argv: list[str], environ=os.environ, fd: int = 0) -> str | None:
+    """Why this pyinfra run cannot ask for its confirmation, or None (it passes -y, --dry, or can read)."""
+    asks = not ({"-y", "--yes", "--dry"} & set(argv)) and environ.get("PYINFRA_YES", "").lower() not in ("1", "true", "yes")
+    if asks and _stdin_closed(fd):
+        return ("pyinfra asks for confirmation before it changes anything, but standard input is closed: "
+                "look with --dry first, then run with -y to apply without asking")
+    return None
 
 
 def install(state, argv: list[str] | None = None) -> RunReport:
-    """Follow this run's hosts; report interruptions, the recap at the end, a closed-stdin prompt."""
+    """Follow this run's hosts: report interruptions, and the recap at the end."""
     argv = sys.argv if argv is None else argv
     report = RunReport(state)
     state.add_callback_handler(report)
     for signum in EXIT_STATUS:
         signal.signal(signum, _on_signal(report, signum))
     atexit.register(_at_exit(report, "--json" in argv))
-    sys.excepthook = _closed_stdin_hook(sys.excepthook)
     return report

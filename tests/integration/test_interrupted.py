@@ -129,3 +129,13 @@ def test_the_recap_names_a_failed_host_and_why(lab):
     line = [line for line in failed.output.splitlines() if line.startswith("h1 ")][-1]
     assert re.search(r"^h1 +failed +changed=\d+", line), line
     assert "reason: 'SGLang service | Health-gated restart of sglang.service' failed: servestack:" in line, line
+
+
+def test_a_run_that_would_prompt_with_stdin_closed_stops_with_a_message_before_connecting(lab):
+    the_lab = lab(1)
+    before = the_lab.fingerprints()
+    run = run_pyinfra(the_lab)  # no -y, standard input /dev/null
+    assert run.returncode != 0
+    assert "standard input is closed: look with --dry first, then run with -y" in run.output
+    assert "Traceback" not in run.output and "EOFError" not in run.output and "Connecting" not in run.output
+    assert the_lab.fingerprints() == before

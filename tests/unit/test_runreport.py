@@ -1,0 +1,47 @@
+"""servestack/runreport.py: what a run says when it is interrupted, at its end, and before a prompt it cannot answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from servestack import runreport
+
+
+def test_each_long_step_says_what_the_next_run_does_and_others_get_the_general_answer():
+    assert "the build goes on on the host" in runreport.next_run_for("ML environment: build release | Build release r-1")
+    assert "the build goes on" in runreport.next_run_for("ML environment: build release")  # names differ per host
+    assert "health gate goes on" in runreport.next_run_for("SGLang service | Health-gated restart of sglang.service")
+    assert "installer goes on" in runreport.next_run_for("CUDA toolkit | CUDA 13.0.1 at /usr/local/cuda-13.0")
+    assert runreport.next_run_for("SGLang patches | Apply SGLang source patches") == runreport.SHORT_STEP
+
+
+def test_recap_lines_name_status_counts_release_service_and_reason():
+    rows = [{"host": "gpu-1", "status": "changed", "changed": 6, "unchanged": 8, "release": "r-0123",
+             "service_restarted": True, "reason": None},
+            {"host": "h2", "status": "refused", "changed": 0, "unchanged": 0, "release": None,
+             "service_restarted": False, "reason": "no NVIDIA driver answers"}]
+    assert runreport.recap_lines(rows) == [
+        "SERVESTACK RECAP",
+        "gpu-1  changed   changed=6 unchanged=8 release=r-0123 service=restarted",
+        "h2     refused   changed=0 unchanged=0 release=- service=not restarted  reason: no NVIDIA driver answers",
+    ]
+
+
+def test_a_run_that_would_ask_with_stdin_closed_is_refused_with_a_message(tmp_path):
+    with open(os.devnull) as null:
+        assert "standard input is closed" in runreport.prompt_problem(["pyinfra", "inv.py", "deploy.py"], {}, null.fileno())
+        assert runreport.prompt_problem(["pyinfra", "-y", "inv.py", "deploy.py"], {}, null.fileno()) is None
+        assert runreport.prompt_problem(["pyinfra", "inv.py", "deploy.py", "--dry"], {}, null.fileno()) is None
+        assert runreport.prompt_problem(["pyinfra", "inv.py", "deploy.py"], {"PYINFRA_YES": "1"}, null.fileno()) is None
+    read, write = os.pipe()  # a pipe may bring an answer (tests type one): pyinfra asks
+    try:
+        assert runreport.prompt_problem(["pyinfra", "inv.py", "deploy.py"], {}, read) is None
+    finally:
+        os.close(read)
+        os.close(write)
+    closed = subprocess.run([sys.executable, "-c", "from servestack import runreport; "
+                             "print(runreport.prompt_problem(['pyinfra', 'i', 'd'], {}, 0) is not None)"],
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, close_fds=True)
+    assert closed.stdout.strip() == "True", closed.stderr
