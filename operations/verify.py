@@ -196,7 +196,9 @@ def checks_pass(release=None, names: tuple[str, ...] = DEPLOY_CHECKS):
         ran = [outcome for outcome in judged if base_name(outcome.check) in {check.name for check in heavy}]
         write_record(host, atomic_write_command(record_path(settings), record_text(key, heavy, ran)),
                      f"the verification record {record_path(settings)}")
-    noop(host, _summary(outcomes, reused, record))
+    summary = _summary(outcomes, reused, record)
+    host.log(summary)   # shown without -v: what the run verified, and what it reused
+    noop(host, summary)
 
 
 @deploy("servestack verify")

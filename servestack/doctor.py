@@ -67,10 +67,11 @@ _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
 def render_table(reports: dict[str, HostReport], console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from servestack.verify import report_console
+
+    console = console or report_console()
     table = Table(title="servestack doctor (nothing was changed)", show_lines=False)
     for column in ("host", "check", "status", "detail"):
         table.add_column(column, overflow="fold")

@@ -24,7 +24,7 @@ from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import ContextObject
 
-from servestack.scripts import script
+from servestack.scripts import script_command
 
 _RUNS: "WeakKeyDictionary" = WeakKeyDictionary()     # State -> {"id", "started"}
 _REFUSED: "WeakKeyDictionary" = WeakKeyDictionary()  # State -> {host name: the problems it was refused for}
@@ -149,11 +149,24 @@ def write_record(host, command, what: str) -> bool:
     return ok
 
 
-def while_busy(host, state_dir: str, step: str, command) -> StringCommand:
-    """`command` under files/scripts/busy.sh: the lock of this run stays alive while any of its
-    processes runs, and a run that finds the host busy is told `step` and since when."""
+def while_busy(host, state_dir: str, step: str, command) -> FunctionCommand:
+    """A long step: `command` under files/scripts/busy.sh (the lock of this run stays alive while any
+    of its processes runs, and a run that finds the host busy is told `step` and since when), its
+    output shown as it comes (pyinfra's `print_output`), its failure remembered for the recap."""
     text = command.get_raw_value() if isinstance(command, StringCommand) else str(command)
-    return script("busy.sh", state_dir, run_id(host.state), step, "bash", "-c", text)
+    return FunctionCommand(_run_long_step, (step, script_command("busy.sh", state_dir, run_id(host.state), step,
+                                                                 "bash", "-c", text)), {})
+
+
+def _run_long_step(state, host, step: str, command: str) -> bool:
+    arguments = connector_arguments(host)
+    ok, output = host.run_shell_command(StringCommand(command), print_output=True, **arguments)
+    if not ok:
+        lines = [line.strip() for line in output.stderr_lines if line.strip()]
+        ours = [line for line in lines if line.startswith("servestack:")]
+        said = (ours or lines[-1:] or ["no error output"])[0]
+        _REFUSED.setdefault(state, {}).setdefault(host.name, []).append(f"{step} failed: {said}")
+    return ok
 
 
 class _ReleaseLockOnFailure(BaseStateCallback):

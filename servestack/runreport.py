@@ -108,20 +108,18 @@ def interruption_lines(report: RunReport) -> list[str]:
 def host_recap(report: RunReport, host) -> dict:
     """changed / unchanged / failed / refused, with counts, the release left active, the service."""
     state = report.state
-    refused = refusals(state).get(host.name)
+    reasons = refusals(state).get(host.name)
     ops = [state.get_op_data_for_host(host, op_hash).operation_meta for op_hash in state.ops.get(host, {})]
     complete = [meta for meta in ops if meta.is_complete()]
     changed = sum(1 for meta in complete if meta.did_change())
     failed = host in state.failed_hosts
     noted = notes(state).get(host.name, {})
-    if refused and not report.progress(host).failed:
-        status = "refused"
-    elif failed:
-        status = "failed"
+    if failed:
+        status = "failed" if changed else "refused"   # refused: the host failed with nothing changed
     else:
         status = "changed" if changed else "unchanged"
     failures = report.progress(host).failed
-    reason = (refused or [None])[0] or (failure_reason(state, host, failures[0]) if failures else None)
+    reason = (reasons or [None])[0] or (failure_reason(state, host, failures[0]) if failures else None)
     restarted = any("Health-gated restart" in name and meta.did_change()
                     for op_hash, meta in zip(state.ops.get(host, {}), ops) if meta.is_complete()
                     for name in state.get_op_meta(op_hash).names)

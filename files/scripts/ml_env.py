@@ -12,7 +12,9 @@ records are written safely:
     prune     delete releases the control machine chose (never the active one)
     backups   print a summary of each kept snapshot (the listing command's fact; changes nothing)
 
-Every failure prints one line starting with "servestack:" to stderr and exits non-zero.
+Every failure prints one line starting with "servestack:" to stderr and exits non-zero. Each
+command prints its result as one JSON line, last on stdout; `build` prints a progress line before
+and after each of its steps first ("servestack: install step 2 (...): done after 3.1 s").
 """
 
 # Other imports are local to the functions that need them: `state` runs on every converge.
@@ -350,9 +352,12 @@ def run(command, log, env, cwd=None, what=None, retry_crash=False):
         log.write("$ %s\n" % " ".join(command))
         log.flush()
         started = time.monotonic()
+        progress("%s: started" % (what or command[0]))
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         log.write("# exit %d after %.2f s\n" % (result.returncode, time.monotonic() - started))
         log.flush()
+        progress("%s: %s after %.1f s" % (what or command[0], "done" if result.returncode == 0 else "failed",
+                                          time.monotonic() - started))
         crash = CRASH_SIGNALS.get(-result.returncode)
         if not (crash and retry_crash and attempt == 1):
             break
@@ -360,6 +365,12 @@ def run(command, log, env, cwd=None, what=None, retry_crash=False):
     if result.returncode != 0:
         raise Failure("%s failed (%s): %s; full log: %s" % (what or command[0], exit_text(result.returncode),
                                                             failure_reason(log.name, result.returncode), log.name))
+
+
+def progress(text):
+    """A line of what a long command is doing, as it happens (the deploy streams it to the operator)."""
+    sys.stdout.write("servestack: %s\n" % text)
+    sys.stdout.flush()
 
 
 def exit_text(returncode):

@@ -20,6 +20,7 @@
 #   SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV  the last good release and its venv (empty: none known)
 #   SS_PREVIOUS_LABEL    how messages name what a rollback returns to
 #   SS_HISTORY SS_PYTHON the venv step's activation history (files/scripts/ml_env.py), a python
+#   SS_PROGRESS_EVERY    seconds between "waiting ... (N s of M s)" lines (default 5)
 # Output: progress lines on stdout; what failed (with the unit's last journal lines) on stderr.
 # Exit: 0 healthy; 1 failed, and rolled back (or stopped: no earlier healthy unit); 2 the
 # rollback failed too.
@@ -34,7 +35,7 @@ unit_state() { systemctl show --property=ActiveState --value -- "$SS_UNIT" 2>/de
 
 # Wait up to $1 s for GET /health to answer 200; stop early when systemd gave up on the unit.
 wait_ready() {
-  local started=$SECONDS deadline=$((SECONDS + $1)) next_note=$((SECONDS + 30)) state
+  local started=$SECONDS deadline=$((SECONDS + $1)) next_note=$((SECONDS + ${SS_PROGRESS_EVERY:-5})) state
   while :; do
     if curl -fsS -o /dev/null --max-time 10 "$SS_URL/health" 2>/dev/null; then
       return 0
@@ -52,7 +53,7 @@ wait_ready() {
     fi
     if (( SECONDS >= next_note )); then  # output keeps long waits visible and the SSH session alive
       say "waiting for $SS_UNIT to become ready ($((SECONDS - started)) s of $1 s)"
-      next_note=$((SECONDS + 30))
+      next_note=$((SECONDS + ${SS_PROGRESS_EVERY:-5}))
     fi
     sleep 1
   done

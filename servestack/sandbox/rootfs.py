@@ -5,6 +5,10 @@ extracted to a pristine directory. Both artifacts are keyed by a hash of the
 recipe (package list, suite, mirror, recipe version), so changing the recipe
 builds a new rootfs instead of reusing a stale one. Hosts only ever use the
 pristine directory as the read-only lower layer of an overlay mount.
+
+The build shows one progress line (rewritten in place on a terminal); debootstrap's
+whole output is kept in `<cache>/rootfs-<key>.debootstrap.log`, and a failure shows
+its last lines.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,10 +121,8 @@ def build_tarball(tarball: Path, packages: tuple[str, ...], log: Log) -> None:
     """debootstrap a fresh rootfs, post-process it and pack it into `tarball`."""
     work = tarball.with_name(tarball.name + ".build")
     _remove_stale(work)
-    started = time.monotonic()
-    log(f"debootstrap {SUITE} into {work} (takes about 90 s)")
     _debootstrap(work, packages, log)
-    log(f"debootstrap done in {time.monotonic() - started:.0f} s; post-processing")
+    log("post-processing the root filesystem")
     postprocess(work)
     started = time.monotonic()
     partial = tarball.with_name(tarball.name + ".part")
@@ -169,8 +172,84 @@ def _add_sudo_user(root: Path) -> None:
     sudoers.chmod(0o440)
 
 
+# debootstrap's lines for one package in each of its phases (others are not counted)
+_PHASES = (
+    ("retrieving", re.compile(r"^I: Retrieving ([a-z0-9][a-z0-9+.-]+) \S*\d\S*$")),
+    ("extracting", re.compile(r"^I: Extracting ([a-z0-9][a-z0-9+.-]+)\.\.\.$")),
+    ("unpacking", re.compile(r"^I: Unpacking ([a-z0-9][a-z0-9+.-]+)(:[a-z0-9]+)?\.\.\.$")),
+    ("configuring", re.compile(r"^I: Configuring ([a-z0-9][a-z0-9+.-]+)(:[a-z0-9]+)?\.\.\.$")),
+)
+PROGRESS_TITLE = f"building the sandbox root filesystem (debootstrap {SUITE})"
+LOG_TAIL_LINES = 25
+
+
+class DebootstrapProgress:
+    """debootstrap's output as one progress line: the phase and how many packages it has reached
+    ("retrieving 37 packages", then "configuring 12/120 packages")."""
+
+    def __init__(self) -> None:
+        self.phase = "resolving packages"
+        self.seen: dict[str, set[str]] = {phase: set() for phase, _ in _PHASES}
+
+    def feed(self, line: str) -> bool:
+        """Take one line of debootstrap's output; True when the progress text changed."""
+        for phase, pattern in _PHASES:
+            match = pattern.match(line.strip())
+            if match:
+                before = (self.phase, len(self.seen[phase]))
+                self.phase = phase
+                self.seen[phase].add(match.group(1))
+                return (self.phase, len(self.seen[phase])) != before
+        return False
+
+    @property
+    def packages(self) -> int:
+        return len(self.seen["retrieving"])
+
+    def text(self, elapsed: float | None = None) -> str:
+        if self.phase == "retrieving":
+            where = f"retrieving {self.packages} packages"
+        elif self.phase in self.seen:
+            where = f"{self.phase} {len(self.seen[self.phase])}/{self.packages or '?'} packages"
+        else:
+            where = self.phase
+        return f"{PROGRESS_TITLE}: {where}" + ("" if elapsed is None else f" ({elapsed:.0f} s)")
+
+
+class _ProgressLine:
+    """One line of progress: rewritten in place on a terminal (with the default printer); printed
+    once elsewhere (CI logs, or another printer), with the final line when done."""
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self.live = log is log_stderr and sys.stderr.isatty()
+        self.shown = ""
+
+    def update(self, text: str) -> None:
+        if self.live and text != self.shown:
+            width = shutil.get_terminal_size().columns - 1  # a wrapped line cannot be rewritten
+            sys.stderr.write(f"\r\x1b[K[sandbox] {text}"[:width + 4])
+            sys.stderr.flush()
+        elif not self.shown:
+            self.log(text + "...")
+        self.shown = text
+
+    def done(self, text: str) -> None:
+        if self.live:
+            sys.stderr.write(f"\r\x1b[K[sandbox] {text}\n")
+            sys.stderr.flush()
+        else:
+            self.log(text)
+
+
+def debootstrap_log_path(target: Path) -> Path:
+    """Where debootstrap's whole output is kept: beside the build directory, named after it."""
+    return target.with_name(target.name.removesuffix(".build").removesuffix(".tar.zst") + ".debootstrap.log")
+
+
 def _debootstrap(target: Path, packages: tuple[str, ...], log: Log) -> None:
-    """Run debootstrap, forwarding its progress lines to `log`."""
+    """Run debootstrap, showing one progress line; its whole output goes to a log file (kept),
+    whose tail a failure shows."""
     argv = [
         "debootstrap",
         "--variant=minbase",
@@ -179,14 +258,24 @@ def _debootstrap(target: Path, packages: tuple[str, ...], log: Log) -> None:
         str(target),
         MIRROR,
     ]
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    log_path = debootstrap_log_path(target)
+    progress, line = DebootstrapProgress(), _ProgressLine(log)
+    started = time.monotonic()
+    line.update(progress.text() + " (about 90 s)")
+    with open(log_path, "w") as log_file, \
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         assert proc.stdout is not None
-        tail = []
-        for line in proc.stdout:
-            tail = [*tail[-20:], line.rstrip()]
-            log(f"  {line.rstrip()}")
+        for output in proc.stdout:
+            log_file.write(output)
+            if progress.feed(output):
+                line.update(progress.text(time.monotonic() - started))
+    elapsed = time.monotonic() - started
     if proc.returncode != 0:
-        raise RuntimeError(f"debootstrap failed (rc {proc.returncode}):\n" + "\n".join(tail))
+        line.done(f"{PROGRESS_TITLE}: failed after {elapsed:.0f} s (rc {proc.returncode}); its log: {log_path}")
+        tail = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        raise RuntimeError(f"debootstrap failed (rc {proc.returncode}); the last {len(tail)} lines of its "
+                           f"log {log_path}:\n" + "\n".join(tail))
+    line.done(f"{PROGRESS_TITLE}: {progress.packages} packages in {elapsed:.0f} s; its log: {log_path}")
 
 
 def _pack(root: Path, dest: Path) -> None:

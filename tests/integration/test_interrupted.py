@@ -128,7 +128,7 @@ def test_the_recap_names_a_failed_host_and_why(lab):
     assert failed.returncode != 0
     line = [line for line in failed.output.splitlines() if line.startswith("h1 ")][-1]
     assert re.search(r"^h1 +failed +changed=\d+", line), line
-    assert "reason: 'SGLang service | Health-gated restart of sglang.service' failed: servestack:" in line, line
+    assert "reason: health-gated restart of sglang.service failed: servestack:" in line, line
 
 
 def test_a_run_that_would_prompt_with_stdin_closed_stops_with_a_message_before_connecting(lab):

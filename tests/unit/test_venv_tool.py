@@ -110,7 +110,8 @@ def test_step_files_group_by_step_and_index():
 
 def run_tool(command, params):
     result = subprocess.run([sys.executable, str(TOOL), command, encode(params)], capture_output=True, text=True)
-    output = json.loads(result.stdout) if result.returncode == 0 else None
+    # the result is the last line; a build prints its progress before it
+    output = json.loads(result.stdout.splitlines()[-1]) if result.returncode == 0 else None
     return result.returncode, output, result.stderr
 
 
