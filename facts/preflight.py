@@ -1,5 +1,6 @@
 """What preflight (and `servestack doctor`) judges, as read from the host (operations/preflight.py
-`read_preflight` reads it: the GPU, disk, lock and toolkit facts, in one remote command)."""
+`read_preflight` reads it: the GPU, disk, lock and toolkit facts, in one remote command, then the
+runfile's digest when an install is due and a runfile is there to check)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 
 from facts.gpu import GpuReport
 from facts.host import LockState
-from facts.toolkit import ToolkitState
+from facts.toolkit import Digest, ToolkitState
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class PreflightFacts:
     disks: dict = field(default_factory=dict)
     lock: LockState = LockState()
     toolkit: ToolkitState | None = None
+    runfile_digest: Digest | None = None      # read only when an install is due and a runfile is there
 
     @property
     def arch(self) -> str | None:

@@ -438,7 +438,8 @@ def parse_digest(path: str, lines: list[str]) -> Digest:
 
 
 class RunfileDigest(FactBase):
-    """md5 and sha256 of the file at `path` (reads it once; only when an install is due).
+    """md5 and sha256 of the file at `path` (reads it once; only when an install is due: preflight
+    reads it, and the toolkit step reuses that read in the same stage).
 
     + path: the runfile
     """

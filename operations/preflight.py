@@ -2,8 +2,10 @@
 
 Checks (stable names, shared with `servestack doctor`): driver, gpus, compute_capability, arch,
 install_path, runfile, disk, lock, link, kept_toolkits, judged by `evaluate` from what
-`read_preflight` reads (the GPUs, free disk, the lock and the toolkits). Any failed check refuses
-the host, one line per problem naming it.
+`read_preflight` reads (the GPUs, free disk, the lock and the toolkits; when an install is due, the
+digest of the runfile it would use). Any failed check refuses the host, one line per problem naming
+it: a pre-staged runfile (`cuda_runfile_path`) that fails its size or checksums is refused here,
+before any step changes anything.
 
 - `preflight(reads)` runs the checks while pyinfra prepares the deploy (with or without -y, and so
   in `--dry`): a refused host is marked failed before any operation runs on it; other hosts go on
@@ -35,9 +37,12 @@ from facts.preflight import PreflightFacts
 from facts.toolkit import CudaToolkits
 from operations.toolkit import (
     assess_install,
+    digest_problem,
     human_bytes,
     kept_paths,
     link_line,
+    prestaged_problem,
+    read_runfile_digest,
     runfile_source,
     toolkit_fact_arguments,
 )
@@ -89,10 +94,13 @@ def host_reads(settings: Settings, release=None) -> list[FactRequest]:
             FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings))]
 
 
-def read_preflight(host_, settings: Settings, also: list[FactRequest] = ()) -> PreflightFacts:
-    """Everything the checks judge, read with `also` in one remote command."""
+def read_preflight(host_, settings: Settings, also: list[FactRequest] = (), digest: bool = True) -> PreflightFacts:
+    """Everything the checks judge, read with `also` in one remote command; then, with `digest`, the
+    runfile's md5 and sha256 when an install is due and a full-size runfile is there to check (a
+    command of its own; the toolkit step reuses that read in this stage)."""
     gpu, disks, lock, toolkit = reads.read(host_, [*host_reads(settings), *also])[:4]
-    return PreflightFacts(gpu=gpu, disks=disks, lock=lock, toolkit=toolkit)
+    runfile_digest = read_runfile_digest(host_, settings, toolkit) if digest and toolkit else None
+    return PreflightFacts(gpu=gpu, disks=disks, lock=lock, toolkit=toolkit, runfile_digest=runfile_digest)
 
 
 def check_driver(settings: Settings, gpu: GpuReport) -> Check:
@@ -186,21 +194,34 @@ def check_disk(settings: Settings, facts: PreflightFacts) -> Check:
 
 
 def check_runfile(settings: Settings, facts: PreflightFacts) -> Check:
-    toolkit = facts.toolkit
+    """The runfile the install would use: a pre-staged one must verify (size, md5, sha256) or the host
+    is refused; a cached one that fails is reported (the toolkit step moves it aside and fetches again).
+    Without a digest (not read: no full-size file, or preflight at execute) the install verifies it."""
+    toolkit, digest = facts.toolkit, facts.runfile_digest
     if not assess_install(settings, toolkit.install, toolkit.marker).install_needed:
         return _ok("runfile", "not needed")
     source = runfile_source(settings, facts.arch)
     if source is None:
         return Check("runfile", "skip", "no runfile for this architecture")
     if source.mode == "prestaged":
-        if toolkit.files.get(source.cached) is None:
-            return _fail("runfile", f"cuda_runfile_path {source.cached}: no such file on the host")
-        return _ok("runfile", f"pre-staged at {source.cached} (verified before use)")
-    if source.mode == "controller":
-        return _ok("runfile", f"uploaded from the control machine (downloaded there from {source.runfile.url})")
+        if digest is None and toolkit.files.get(source.cached) is not None:
+            return _ok("runfile", f"pre-staged at {source.cached} (verified before use)")
+        problem = prestaged_problem(source, toolkit.files, digest)
+        if problem:
+            return _fail("runfile", problem)
+        return _ok("runfile", f"pre-staged at {source.cached}: verified (size, md5, sha256)")
     cached = toolkit.files.get(source.cached)
     if cached is not None and cached.size == source.runfile.size:
-        return _ok("runfile", f"cached at {source.cached} (verified before use)")
+        if digest is None:
+            return _ok("runfile", f"cached at {source.cached} (verified before use)")
+        problem = digest_problem(source.runfile, digest)
+        if problem:
+            fetch = "uploaded" if source.mode == "controller" else "downloaded"
+            return Check("runfile", "warn", f"cached runfile {source.cached} fails verification ({problem}): "
+                                            f"moved aside and {fetch} again")
+        return _ok("runfile", f"cached at {source.cached}: verified (size, md5, sha256)")
+    if source.mode == "controller":
+        return _ok("runfile", f"uploaded from the control machine (downloaded there from {source.runfile.url})")
     return _ok("runfile", f"downloaded from {source.runfile.url}")
 
 
@@ -299,7 +320,9 @@ def host_locked(reads: tuple[FactRequest, ...] = ()):
     release_lock_on_failure(host, release_lock_command(settings.servestack_state_dir, run_id(host.state)))
     if "stale" in what:
         host.log(what)
-    problems = problems_of(evaluate(settings, read_preflight(host, settings, list(reads)), run_id(host.state)))
+    # no digest here: preflight verified the runfile at prepare, and the install verifies it before use
+    facts = read_preflight(host, settings, list(reads), digest=False)
+    problems = problems_of(evaluate(settings, facts, run_id(host.state)))
     if problems:
         yield from refuse(host, problems)
         return

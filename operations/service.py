@@ -1,5 +1,8 @@
 """The SGLang service: a pinned CUDA 13 systemd unit, restarted only when needed, health-gated.
 
+What the unit runs is the host's service profile with its host data (servestack/settings.py):
+`launch_arguments` renders its command line, with or without its speculative flags.
+
 `sglang_service(release)` is given the release this run leaves active (deploy.py: the one the
 venv step plans; rollback.py: the one it re-activates). In `--dry` on a fresh host that release
 does not exist yet, but its id and paths are known, so the unit's diff is the one the run writes.
@@ -75,8 +78,8 @@ PINNED_ENV = ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "FLASHINFER_W
 MANAGED_FLAGS = ("--model-path", "--model", "--tp", "--tp-size", "--tensor-parallel-size",
                  "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft-model",
                  "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
-                 "--attention-backend", "--enable-torch-symm-mem", "--enable-flashinfer-allreduce-fusion",
-                 "--host", "--port")
+                 "--attention-backend", "--quantization", "--kv-cache-dtype", "--enable-torch-symm-mem",
+                 "--enable-flashinfer-allreduce-fusion", "--host", "--port")
 
 
 @dataclass(frozen=True)
@@ -158,9 +161,11 @@ def service_problems(settings: Settings) -> list[str]:
     problems = []
     if settings.service_user == "root":
         problems.append("'service_user': expected a dedicated unprivileged user, got 'root'")
-    for key in ("service_model_path", "service_draft_model_path", "service_attention_backend", "service_host"):
-        if re.search(r"[\s\x00-\x1f]", getattr(settings, key)):
-            problems.append(f"'{key}': expected no whitespace or control characters, got {getattr(settings, key)!r}")
+    for key in ("service_model_path", "service_model_architecture", "service_draft_model_path",
+                "service_attention_backend", "service_quantization", "service_kv_cache_dtype", "service_host"):
+        value = getattr(settings, key)
+        if value is not None and re.search(r"[\s\x00-\x1f]", value):
+            problems.append(f"'{key}': expected no whitespace or control characters, got {value!r}")
     if not _is_address(settings.service_host) and not re.fullmatch(r"[A-Za-z0-9.-]+", settings.service_host):
         problems.append(f"'service_host': expected an IP address or host name, got {settings.service_host!r}")
     for argument in settings.service_extra_args:
@@ -210,16 +215,35 @@ def _minor(settings: Settings) -> str:
 
 # -- the unit --------------------------------------------------------------------------------------
 
-def launch_arguments(settings: Settings) -> list[str]:
-    """`sglang.launch_server` arguments from the manifest defaults and host data."""
+def speculates(settings: Settings) -> bool:
+    """Whether the host's service profile (with its host data) runs speculative decoding."""
+    return settings.service_speculative_algorithm != "NONE"
+
+
+def speculative_arguments(settings: Settings) -> list[str]:
+    """The speculative-decoding flags of the profile: none without speculation; no draft path for a
+    model that drafts with its own MTP layers (settings.py checks which need one)."""
+    if not speculates(settings):
+        return []
+    args = ["--speculative-algorithm", settings.service_speculative_algorithm]
+    if settings.service_draft_model_path is not None:
+        args += ["--speculative-draft-model-path", settings.service_draft_model_path]
+    return args + ["--speculative-num-steps", str(settings.service_speculative_num_steps),
+                   "--speculative-eagle-topk", str(settings.service_speculative_eagle_topk),
+                   "--speculative-num-draft-tokens", str(settings.service_speculative_num_draft_tokens)]
+
+
+def launch_arguments(settings: Settings, speculation: bool = True) -> list[str]:
+    """`sglang.launch_server` arguments of the host's service profile and host data; with
+    `speculation=False`, the same without the speculative flags (the profile's baseline)."""
     args = ["--model-path", settings.service_model_path, "--tp", str(settings.service_tp)]
-    if settings.service_speculative_algorithm != "NONE":
-        args += ["--speculative-algorithm", settings.service_speculative_algorithm,
-                 "--speculative-draft-model-path", settings.service_draft_model_path,
-                 "--speculative-num-steps", str(settings.service_speculative_num_steps),
-                 "--speculative-eagle-topk", str(settings.service_speculative_eagle_topk),
-                 "--speculative-num-draft-tokens", str(settings.service_speculative_num_draft_tokens)]
+    if speculation:
+        args += speculative_arguments(settings)
     args += ["--attention-backend", settings.service_attention_backend]
+    if settings.service_quantization is not None:
+        args += ["--quantization", settings.service_quantization]
+    if settings.service_kv_cache_dtype is not None:
+        args += ["--kv-cache-dtype", settings.service_kv_cache_dtype]
     if settings.service_enable_torch_symm_mem:
         args.append("--enable-torch-symm-mem")
     if settings.service_enable_flashinfer_allreduce_fusion:
@@ -428,7 +452,7 @@ def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[s
 def local_model_paths(settings: Settings) -> list[str]:
     """Model paths on the host's disk (others are hub ids, downloaded into the service user's home)."""
     paths = [settings.service_model_path]
-    if settings.service_speculative_algorithm != "NONE":
+    if speculates(settings) and settings.service_draft_model_path is not None:
         paths.append(settings.service_draft_model_path)
     return [path for path in paths if path.startswith("/")]
 

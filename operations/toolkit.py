@@ -20,10 +20,10 @@ it for deploy.py's batched read):
   control machine died) is finished, or moved aside, by the next run, which finds
   `toolkit-install.json`.
 
-The runfile's digest (a read of 4 GB) is read only when an install is due and a full-size file is
-there to check, through `reads.fact(RunfileDigest, ...)`: preflight reads it first (a bad
-pre-staged runfile refuses the host before any step changes anything), this step reuses that read
-in the same stage. A runfile that fails verification is moved aside to `*.rejected-<UTC>`; only the
+The runfile's digest (a read of 4 GB) is read only when an install is due and a file is there to
+check (a full-size cached copy, or the pre-staged file), through `reads.fact(RunfileDigest, ...)`:
+preflight reads it first (a bad pre-staged runfile refuses the host before any step changes
+anything), this step reuses that read in the same stage. A runfile that fails verification is moved aside to `*.rejected-<UTC>`; only the
 newest rejected copy is kept, and the run says which older one it removed.
 
 A tree at the install path that servestack cannot confirm as the manifest's toolkit (another
@@ -48,7 +48,6 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
 from facts.batch import FactRequest
-from facts.host import busy_path
 from facts.toolkit import (
     CudaToolkits,
     Digest,
@@ -62,7 +61,7 @@ from facts.toolkit import (
     record_path,
 )
 from servestack import reads
-from servestack.hostrun import host_refused, noop, plan, refuse, run_id, run_remote, utc_stamp
+from servestack.hostrun import host_refused, noop, plan, refuse, run_id, run_remote, utc_stamp, while_busy
 from servestack.manifest import Runfile
 from servestack.scripts import atomic_write_command, script_command
 from servestack.settings import Settings, host_settings
@@ -395,7 +394,7 @@ def compiler_hint(settings: Settings) -> str:
 
 
 def install_command(settings: Settings, source: RunfileSource, use: str, keep_chain: LinkChain | None,
-                    run: str, installer_tmp_log: str = INSTALLER_TMP_LOG) -> str:
+                    run: str) -> str:
     """Verify the runfile, run it toolkit-only, decide success from exit code and nvcc; clean up a failure."""
     cuda, state_dir = settings.manifest.cuda, settings.servestack_state_dir
     marker = {"path": settings.cuda_install_path, "version": settings.cuda_version, "run_id": run,
@@ -405,14 +404,13 @@ def install_command(settings: Settings, source: RunfileSource, use: str, keep_ch
         "SS_INSTALL_PATH": settings.cuda_install_path,
         "SS_TMP_DIR": settings.cuda_tmpdir,
         "SS_STATE_DIR": state_dir,
-        "SS_BUSY_FILE": busy_path(state_dir),
         "SS_MARKER_FILE": marker_path(state_dir),
         "SS_MARKER": json.dumps(marker),
         "SS_CUDA_VERSION": settings.cuda_version,
         "SS_NVCC_RELEASE": ".".join(str(part) for part in Version(settings.cuda_version).release[:2]),
         "SS_NVCC_VERSION": cuda["nvcc_version"],
         "SS_INSTALLER_LOG": cuda["log_path"],
-        "SS_INSTALLER_TMP_LOG": installer_tmp_log,
+        "SS_INSTALLER_TMP_LOG": INSTALLER_TMP_LOG,
         "SS_LOG_TAIL_LINES": LOG_TAIL_LINES,
         "SS_COMPILER_HINT": compiler_hint(settings),
         **(_link_env(keep_chain) if keep_chain is not None else {}),
@@ -586,7 +584,8 @@ def _install_steps(settings: Settings, state: ToolkitState, source: RunfileSourc
     steps.lines += runfile_plan.lines
     steps.commands += [FunctionCommand(_reject_runfile, (path, why), {}) for path, why in runfile_plan.rejects]
     if runfile_plan.fetch == "download":
-        steps.commands.append(download_command(source, busy=busy_path(settings.servestack_state_dir)))
+        steps.commands.append(while_busy(host, settings.servestack_state_dir, "cuda runfile download",
+                                         download_command(source)))
     elif runfile_plan.fetch == "upload":
         steps.commands.append(FunctionCommand(_upload_from_controller, (source.runfile, source.part), {}))
     if verdict.kind == "interrupted":
@@ -594,7 +593,8 @@ def _install_steps(settings: Settings, state: ToolkitState, source: RunfileSourc
         steps.commands.append(move_aside_command(settings.cuda_install_path, settings.servestack_state_dir))
     keep = state.link if settings.cuda_link_policy == "keep" else None
     steps.lines.append(f"install {settings.cuda_version} into {settings.cuda_install_path}")
-    steps.commands.append(install_command(settings, source, runfile_plan.use, keep, run_id(host.state)))
+    steps.commands.append(while_busy(host, settings.servestack_state_dir, f"cuda {settings.cuda_version} install",
+                                     install_command(settings, source, runfile_plan.use, keep, run_id(host.state))))
     steps.commands.append(FunctionCommand(_check_after_install, (settings, keep), {}))
     return None
 

@@ -42,7 +42,7 @@ from operations.releases import (
     release_plan, releases_to_prune, tool_command,
 )
 from operations.releases import rollback_target as choose_rollback_target
-from servestack import reads
+from servestack import hostrun, reads
 from servestack.hostrun import note, noop, refuse, refuse_now, utc_stamp, while_busy
 from servestack.settings import host_settings
 
@@ -176,6 +176,7 @@ def build_release(release: ReleasePlan):
                      check_script=CHECK.read_text(), uv=uv_binary(settings), uv_version=uv["version"],
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
                      python=state["python"]["executable"])
+    hostrun.plan(host, f"Build release {release.id} in {release.dir}")
     yield while_busy(host, settings.servestack_state_dir, f"venv build {release.id}",
                      tool_command(settings.venv_python, "build", params))
 
@@ -204,6 +205,7 @@ def activate_release(release: str, by: str = "deploy"):
     if where["release"] == release:
         noop(host, f"{settings.venv_path} already points at release {release}")
         return
+    hostrun.plan(host, f"{settings.venv_path} -> release {release} (now: {where['release'] or where['kind']})")
     if host.state.config.DIFF:
         _log_package_diff(settings, env_state(settings, packages=True), release)
     yield tool_command(settings.venv_python, "activate",
@@ -284,13 +286,13 @@ def backup(release: Release):
 @deploy("ML environment: build release")
 def build(release: ReleasePlan):
     """Build and check `release` beside the active one (nothing is switched)."""
-    build_release(name=f"Build release {release.id}", release=release)
+    build_release(name="Build release", release=release)   # one name for every host: ids differ
 
 
 @deploy("ML environment: activate release")
 def activate(release: Release):
     """Switch venv_path to `release` (after build and patches), prune old releases."""
-    activate_release(name=f"Activate release {release.id}", release=release.id, by="deploy")
+    activate_release(name="Activate release", release=release.id, by="deploy")
     prune_releases(name="Prune old releases", active=release.id)
 
 
@@ -317,4 +319,4 @@ def rollback_target() -> Release | None:
 def rollback(release: Release):
     """Snapshot the active environment, then re-activate `release` (``rollback_target()``)."""
     backup_env(name="Back up the ML environment", target=release.id, reason="before rollback")
-    activate_release(name=f"Roll back to release {release.id}", release=release.id, by="rollback")
+    activate_release(name="Roll back to release", release=release.id, by="rollback")

@@ -18,8 +18,10 @@ import uuid
 from datetime import datetime, timezone
 from weakref import WeakKeyDictionary
 
+import pyinfra
 from pyinfra import logger
 from pyinfra.api import FunctionCommand, StringCommand
+from pyinfra.api.exceptions import PyinfraError
 from pyinfra.api.arguments import CONNECTOR_ARGUMENT_KEYS, pop_global_arguments
 from pyinfra.api.state import BaseStateCallback
 from pyinfra.context import ContextObject
@@ -105,7 +107,12 @@ def refuse_now(host, problems: list[str]) -> None:
     """Refuse the host now, while pyinfra prepares the deploy: one line per problem, and the host
     is failed so that nothing runs on it (deploy functions and operations at prepare)."""
     _log_problems(host, problems)
-    host.state.fail_hosts({real_host(host)})
+    try:
+        host.state.fail_hosts({real_host(host)})
+    except PyinfraError:
+        if not pyinfra.is_cli:
+            raise
+        raise SystemExit(1) from None   # no host left: the CLI would show "No hosts remaining!" as an error
 
 
 def _fail(state, host, problems):

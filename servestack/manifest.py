@@ -54,7 +54,7 @@ class Package:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The parsed manifest. `raw` keeps sections read as plain tables (service defaults)."""
+    """The parsed manifest; `venv` and `service` (service defaults and profiles) are plain tables."""
 
     path: Path
     cuda: dict
@@ -218,8 +218,9 @@ def _packages(reader: _Reader, indexes: dict[str, str]) -> tuple[Package, ...]:
 def parse_manifest(path: Path, data: dict) -> Manifest:
     """Validate a manifest's parsed TOML; raise ManifestError naming the file and the first bad key.
 
-    The [venv] and [service] tables are read as plain tables here: servestack/settings.py checks
-    them against the host-data keys they are the defaults of (`check_manifest_defaults`)."""
+    The [venv] and [service] tables (the latter with its service profiles, [service.profiles."name"])
+    are read as plain tables here: servestack/settings.py checks them against the host-data keys they
+    are the defaults of (`check_manifest_defaults`)."""
     reader = _Reader(path, data)
     reader.only({"schema", "cuda", "gpu", "uv", "indexes", "packages", "venv", "service"})
     if reader.get("schema", int, "the schema number 1") != 1:

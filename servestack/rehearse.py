@@ -1,9 +1,10 @@
 """`servestack rehearse`: the real deploy.py against sandbox hosts, the way a user runs it on a fleet.
 
-1. boot sandbox GPU-host stand-ins (systemd, SSH, a stand-in GPU, CUDA 12.8 and a hand-made ml-env)
+1. boot sandbox GPU-host stand-ins (systemd, SSH, a stand-in GPU, CUDA 12.8 and a hand-made ml-env),
+   each given one of the manifest's service profiles in turn (by default one host per profile)
 2. `pyinfra --dry --diff`: and prove the hosts did not change (a fingerprint before and after)
 3. apply, 4. apply again: the second run must change nothing
-5. the verification suite against the converged hosts
+5. the verification suite against the converged hosts, and each host's server started with its profile
 
 It ends with one machine-readable line: `rehearse: OK hosts=N first_run_changes=N ...`.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from servestack.manifest import PROJECT_ROOT
+from servestack.manifest import PROJECT_ROOT, load_manifest
 
 console = Console(stderr=True)
 
@@ -36,6 +37,7 @@ class RehearsalFailed(Exception):
 @dataclass
 class Outcome:
     hosts: int = 0
+    profiles: dict = field(default_factory=dict)   # host name -> service profile
     first_run_changes: int | None = None
     second_run_changes: int | None = None
     verify: dict = field(default_factory=lambda: {"passed": 0, "failed": 0, "skipped": 0})
@@ -45,6 +47,8 @@ class Outcome:
         fields = (f"hosts={self.hosts} first_run_changes={_n(self.first_run_changes)} "
                   f"second_run_changes={_n(self.second_run_changes)} verify_passed={self.verify['passed']} "
                   f"verify_failed={self.verify['failed']} verify_skipped={self.verify['skipped']}")
+        if self.profiles:
+            fields += " profiles=" + ",".join(sorted(set(self.profiles.values())))
         return f"rehearse: {status} {fields}" + (f" reason={reason!r}" if reason else "")
 
 
@@ -63,6 +67,59 @@ def _run(lab, argv: list[str], timeout: int = 3600) -> subprocess.CompletedProce
 
 def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def profile_names() -> list[str]:
+    """The manifest's service profiles, the default one first."""
+    service = load_manifest().service
+    return sorted(service["profiles"], key=lambda name: (name != service["profile"], name))
+
+
+def assign_profiles(lab, profiles: list[str]) -> dict[str, str]:
+    """Give the lab's hosts the service profiles in turn (host data `service_profile`), rewriting its
+    inventory; {host name: profile}."""
+    from servestack.sandbox.lab import sandbox_manifest
+
+    chosen = {host.name: profiles[index % len(profiles)] for index, host in enumerate(lab.hosts)}
+    manifest = sandbox_manifest(lab.state_dir / "stack.toml", lab.artifacts)
+    lab.sandbox.write_inventory(lambda host: lab.host_data(host, manifest, {"service_profile": chosen[host.name]}))
+    return chosen
+
+
+def server_info(lab, host) -> dict:
+    """GET /server_info of a host's server, asked from the controller namespace."""
+    url = f"http://{host.address}:{load_manifest().service['port']}/server_info"
+    fetch = ("import sys, urllib.request; "
+             "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())")
+    result = subprocess.run(lab.controller_argv([sys.executable, "-c", fetch, url]), capture_output=True,
+                            text=True, timeout=60)
+    try:
+        if result.returncode == 0:
+            return json.loads(result.stdout)
+    except ValueError:
+        pass
+    raise RehearsalFailed(f"{host.name}: GET {url} failed: {_tail(result.stderr or result.stdout, 3)}")
+
+
+def _algorithm(name: str | None) -> str | None:
+    return "EAGLE" if name == "NEXTN" else name  # sglang reads NEXTN as EAGLE
+
+
+def check_profiles(lab, outcome: Outcome) -> None:
+    """Each host's server was started with its profile's model and speculative algorithm."""
+    profiles = load_manifest().service["profiles"]
+    console.rule("service profiles")
+    for host in lab.hosts:
+        profile = profiles[outcome.profiles[host.name]]
+        args = server_info(lab, host).get("server_args", {})
+        served = (args.get("model_path"), _algorithm(args.get("speculative_algorithm")))
+        wanted = (profile["model_path"], _algorithm(profile["speculative_algorithm"]))
+        if served != wanted:
+            raise RehearsalFailed(f"{host.name} serves model {served[0]!r} with speculative algorithm {served[1]!r}; "
+                                  f"its profile {outcome.profiles[host.name]!r} says {wanted[0]!r}, {wanted[1]!r}")
+        console.print(f"{host.name}: profile {outcome.profiles[host.name]}: serves {served[0]} "
+                      f"(speculative algorithm {args.get('speculative_algorithm')})",
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 def dry_run(lab, inventory: Path, outcome: Outcome) -> None:
@@ -134,21 +191,31 @@ def summary(outcome: Outcome) -> Table:
     return table
 
 
-def rehearse(hosts: int = 2, keep: bool = False) -> int:
-    """Run the rehearsal; print the summary and the final line; 0 only when everything held."""
+def rehearse(hosts: int | None = None, keep: bool = False) -> int:
+    """Run the rehearsal; print the summary and the final line; 0 only when everything held.
+    `hosts`: how many sandbox hosts (default: one per service profile), given the profiles in turn."""
     from servestack.sandbox.lab import Lab, gpu_spec
 
+    profiles = profile_names()
+    hosts = hosts or len(profiles)
     outcome, status, reason = Outcome(hosts=hosts), "OK", ""
     console.print(f"[bold]{STAND_IN_NOTICE}[/]")
+    if hosts < len(profiles):
+        console.print(f"[yellow]{hosts} host(s) for {len(profiles)} service profiles: not rehearsed: "
+                      f"{', '.join(profiles[hosts:])}[/]")
     lab = Lab("rehearse")
     try:
         inventory = _timed(outcome, "sandbox up", lambda: lab.up(hosts, gpu=gpu_spec()))
+        outcome.profiles = assign_profiles(lab, profiles)
+        given = ", ".join(f"{name} {profile}" for name, profile in outcome.profiles.items())
+        console.print(f"service profiles: {given}", markup=False, highlight=False, soft_wrap=True)
         dry_run(lab, inventory, outcome)
         outcome.first_run_changes = apply(lab, inventory, outcome, "first apply")
         outcome.second_run_changes = apply(lab, inventory, outcome, "second apply")
         if outcome.second_run_changes:
             raise RehearsalFailed(f"the second apply changed {outcome.second_run_changes} operation(s)")
         verify(lab, inventory, outcome)
+        check_profiles(lab, outcome)
     except (RehearsalFailed, subprocess.TimeoutExpired) as error:
         status, reason = "FAILED", str(error).splitlines()[0]
         console.print(f"[red]{error}[/]", markup=True, highlight=False)

@@ -5,6 +5,12 @@ from the manifest) and what it means. `validate_inventory` checks every host bef
 connection and refuses, in one message, every unknown key, wrong type or inconsistent value,
 naming the host, the key and what was expected. Operations call `host_settings(host)`.
 
+Service profiles. The manifest's [service] holds what every host's unit shares; `service_profile`
+picks one of its [service.profiles."<name>"] tables, whose fields are the defaults of the keys
+`service_<field>` (`_PROFILE_KEYS`; a host's service_env and service_extra_args are added to the
+profile's). `_PROFILE_RULES` refuse fields that do not fit together, in the manifest's profiles
+and in each host's settings alike.
+
 Strict keys. Host data is shared with pyinfra and with the user's own deploys, so a key that is
 not servestack's is left alone, except when it reads as a mistake for one (`foreign_key_problem`):
   1. it has a servestack prefix (OWN_PREFIXES) but is not a servestack key: `cuda_mirorr`;
@@ -48,6 +54,18 @@ MAX_EDITS = 2  # strict keys, rules 2 and 4
 
 SPECULATIVE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE", "NONE")
 
+# sglang 0.5.9 server_args.py `_handle_speculative_decoding`: NEXTN is renamed EAGLE (L2352-2353); for
+# EAGLE, EAGLE3 and STANDALONE these architectures draft with the model itself when no draft model is
+# given (L2397-2420), and all but OWN_OR_SEPARATE_DRAFT ones warn that a draft path is not needed
+# (their MTP/NextN layers are the draft). tests/unit/test_profiles.py reads both lists from the wheel.
+SELF_DRAFTING_ARCHITECTURES = ("DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
+                               "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "BailingMoeForCausalLM",
+                               "BailingMoeV2ForCausalLM", "BailingMoeV2_5ForCausalLM")
+OWN_OR_SEPARATE_DRAFT = ("MistralLarge3ForCausalLM", "PixtralForConditionalGeneration")
+MTP_ALGORITHMS = ("EAGLE", "NEXTN")            # draft with the model's own layers where it has them
+SEPARATE_DRAFT_ALGORITHMS = ("EAGLE3", "STANDALONE")  # always a separate draft model
+PATCHED_PACKAGE = "sglang"                     # service_patches name patches of its set (files/patches)
+
 
 class Invalid(ValueError):
     """A value does not fit its key; the message says what was expected."""
@@ -61,6 +79,7 @@ class Key:
     check: Callable[[Any], Any]
     default: Callable[[Manifest], Any]
     help: str
+    profile_field: str | None = None  # its default is this field of the host's service profile
 
 
 # Checkers: each returns the normalised value or raises Invalid("expected ...").
@@ -198,21 +217,41 @@ _SERVICE_KEYS = {  # name: (checker, meaning); defaults are the manifest's [serv
     "name": (unit_name, "systemd unit name"),
     "user": (user_name, "unprivileged system user the server runs as (created by the deploy)"),
     "launch_module": (text, "python module the unit runs with -m"),
-    "model_path": (text, "--model-path: a local path or a hub id"),
-    "draft_model_path": (text, "--speculative-draft-model-path (the EAGLE-3 draft)"),
+    "profile": (text, "the service profile the host serves: a name of the manifest's service.profiles (the "
+                "profile's fields are the defaults of the service_* keys marked so)"),
     "tp": (integer(1, 64), "--tp: tensor-parallel size; must divide gpu_count"),
-    "speculative_algorithm": (choice(*SPECULATIVE_ALGORITHMS), "--speculative-algorithm ('NONE': no speculation)"),
-    "speculative_num_steps": (integer(1, 16), "--speculative-num-steps"),
-    "speculative_eagle_topk": (integer(1, 16), "--speculative-eagle-topk"),
-    "speculative_num_draft_tokens": (integer(1, 64), "--speculative-num-draft-tokens (steps + 1 when topk is 1)"),
-    "attention_backend": (text, "--attention-backend"),
     "host": (text, "--host the server listens on"),
     "port": (integer(1, 65535), "--port"),
-    "enable_torch_symm_mem": (boolean, "--enable-torch-symm-mem (SM120 needs patch 0001)"),
-    "enable_flashinfer_allreduce_fusion": (boolean, "--enable-flashinfer-allreduce-fusion (no effect on SM120: warned)"),
     "start_timeout_s": (integer(1), "systemd TimeoutStartSec"),
     "health_timeout_s": (integer(1), "seconds a restarted server has to answer /health before it is rolled back"),
 }
+_PROFILE_KEYS = {  # field: (checker, meaning, required); defaults are the host's profile's
+    "model_path": (text, "--model-path: a local path or a hub id", True),
+    "model_architecture": (text, "the model's architecture (its config.json 'architectures'): decides whether "
+                           "EAGLE/NEXTN draft from the model itself", True),
+    "draft_model_path": (optional(text), "--speculative-draft-model-path (none: not passed)", False),
+    "speculative_algorithm": (choice(*SPECULATIVE_ALGORITHMS), "--speculative-algorithm ('NONE': no speculation)",
+                              True),
+    "speculative_num_steps": (integer(1, 16), "--speculative-num-steps", True),
+    "speculative_eagle_topk": (integer(1, 16), "--speculative-eagle-topk", True),
+    "speculative_num_draft_tokens": (integer(1, 64), "--speculative-num-draft-tokens (steps + 1 when topk is 1)",
+                                     True),
+    "attention_backend": (text, "--attention-backend", True),
+    "quantization": (optional(text), "--quantization (none: not passed, sglang reads the checkpoint's)", False),
+    "kv_cache_dtype": (optional(text), "--kv-cache-dtype (none: not passed)", False),
+    "enable_torch_symm_mem": (boolean, "--enable-torch-symm-mem (SM120 needs patch 0001)", True),
+    "enable_flashinfer_allreduce_fusion": (boolean, "--enable-flashinfer-allreduce-fusion (no effect on SM120: "
+                                           "warned)", True),
+    "extra_args": (string_list, "extra sglang.launch_server arguments; a host's are added after the profile's",
+                   True),
+    "env": (env_map, "extra environment for the service (e.g. NCCL_P2P_DISABLE); a host's is added to the "
+            "profile's, its value winning", True),
+    "patches": (string_list, "servestack patches the profile needs: each must be in the patch set for the "
+                "manifest's sglang", True),
+}
+# A host's value of these is added to its profile's instead of replacing it.
+_PROFILE_MERGES = {"extra_args": lambda profile, host: tuple(profile) + tuple(host),
+                   "env": lambda profile, host: {**profile, **host}}
 _VENV_KEYS = {  # defaults are the manifest's [venv] table
     "path": (abs_path, "the stable path of the active environment (a symlink to the active release)"),
     "releases_dir": (abs_path, "where releases (one venv each) are built"),
@@ -231,24 +270,62 @@ def _expectation(check: Callable) -> str:
     return "a value"
 
 
-def manifest_problems(manifest: Manifest) -> list[str]:
-    """Every problem of the manifest's [venv] and [service] tables, the defaults of the venv_* and
-    service_* keys: a missing key, an unknown key or a value its host-data key would refuse."""
+def _table_problems(where: str, table: dict, specs: dict[str, tuple[Callable, bool]],
+                    also_known: tuple[str, ...] = ()) -> list[str]:
+    """A table's missing (required), unknown and refused keys; `where` names the table's key path."""
     problems = []
-    for section, specs in (("venv", _VENV_KEYS), ("service", _SERVICE_KEYS)):
-        table = getattr(manifest, section)
-        for name, (check, _meaning) in specs.items():
-            where = f"{manifest.path}: key '{section}.{name}'"
-            if name not in table:
-                problems.append(f"{where}: expected {_expectation(check)} (missing)")
-                continue
-            try:
-                check(table[name])
-            except Invalid as problem:
-                problems.append(f"{where}: expected {problem}, got {table[name]!r}")
-        problems += [f"{manifest.path}: key '{section}.{name}': expected one of the known keys "
-                     f"{sorted(specs)} (unknown key)" for name in table if name not in specs]
+    for name, (check, required) in specs.items():
+        key = f"{where}.{name}"
+        if name not in table:
+            if required:
+                problems.append(f"key '{key}': expected {_expectation(check)} (missing)")
+            continue
+        try:
+            check(table[name])
+        except Invalid as problem:
+            problems.append(f"key '{key}': expected {problem}, got {table[name]!r}")
+    known = sorted([*specs, *also_known])
+    problems += [f"key '{where}.{name}': expected one of the known keys {known} (unknown key)"
+                 for name in table if name not in specs and name not in also_known]
     return problems
+
+
+def _profile_table(profile: str) -> str:
+    return f'service.profiles."{profile}"'
+
+
+def _profiles_problems(manifest: Manifest) -> list[str]:
+    """The [service.profiles.*] tables: each a complete, consistent serving configuration, and
+    [service] profile naming one of them."""
+    profiles = manifest.service.get("profiles")
+    if not isinstance(profiles, dict) or not profiles or not all(isinstance(t, dict) for t in profiles.values()):
+        return ["key 'service.profiles': expected service profiles, tables like [service.profiles.\"kimi-k2.5-eagle3\"]"
+                + (" (missing)" if profiles is None else f", got {profiles!r}")]
+    problems = []
+    default = manifest.service.get("profile")
+    if isinstance(default, str) and default not in profiles:
+        problems.append(f"key 'service.profile': {_unknown_profile(default, profiles)}")
+    specs = {field: (check, required) for field, (check, _meaning, required) in _PROFILE_KEYS.items()}
+    for name, table in profiles.items():
+        where = _profile_table(name)
+        found = _table_problems(where, table, specs)
+        problems += found
+        if not found:
+            fields = {field: _profile_value(table, field) for field in _PROFILE_KEYS}
+            problems += [f"key '{where}.{field}': {why}" for field, why in _profile_rules(fields, manifest)]
+    return problems
+
+
+def manifest_problems(manifest: Manifest) -> list[str]:
+    """Every problem of the manifest's [venv] and [service] tables and service profiles, the defaults
+    of the venv_* and service_* keys: a missing key, an unknown key, a value its host-data key would
+    refuse or a profile whose values do not fit together."""
+    problems = []
+    for section, specs, also in (("venv", _VENV_KEYS, ()), ("service", _SERVICE_KEYS, ("profiles",))):
+        required = {name: (check, True) for name, (check, _meaning) in specs.items()}
+        problems += _table_problems(section, getattr(manifest, section), required, also)
+    problems += _profiles_problems(manifest)
+    return [f"{manifest.path}: {problem}" for problem in problems]
 
 
 def check_manifest_defaults(manifest: Manifest) -> None:
@@ -289,6 +366,9 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
             "'refuse' (default) or 'accept' it as installed (never installed over)"),
         Key("cuda_runfile_from", choice("host", "controller"), _literal("host"),
             "'host': each host downloads; 'controller': download once here and upload (air-gapped)"),
+        Key("cuda_installer_override", boolean, _literal(False),
+            "True: run the runfile with --override, which skips its compiler check (for a host whose gcc "
+            "the installer refuses as unsupported)"),
         Key("gpu_compute_capability", capability, _from("gpu", "compute_capability"),
             "compute capability every GPU must report"),
         Key("gpu_count", integer(1, 64), _from("gpu", "count"), "number of GPUs the host must have"),
@@ -301,8 +381,6 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
             "release id rollback.py activates (default: the release active before the last deploy)"),
         Key("rollout_batch", integer(1), _literal(1), "hosts restarted at a time"),
         Key("rollout_failure_budget", integer(0), _literal(0), "failed hosts tolerated before stopping"),
-        Key("service_env", env_map, _literal({}), "extra environment for the service (e.g. NCCL_P2P_DISABLE)"),
-        Key("service_extra_args", string_list, _literal(()), "extra sglang.launch_server arguments"),
         Key("service_cache_dir", abs_path, _literal("/var/cache/servestack/flashinfer"),
             "JIT caches of the service (flashinfer, triton, ...): one '<cuda_version>-<release>' dir each"),
         Key("service_secret_env", env_names, _literal(()),
@@ -320,7 +398,29 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
              for name, (check, meaning) in _VENV_KEYS.items()]
     keys += [Key(f"service_{name}", check, _from("service", name), meaning)
              for name, (check, meaning) in _SERVICE_KEYS.items()]
+    keys += [Key(f"service_{field}", check, (lambda m, f=field: profile_default(m, m.service["profile"], f)),
+                 f"{meaning} (default: from the host's service profile)", profile_field=field)
+             for field, (check, meaning, _required) in _PROFILE_KEYS.items()]
     return {key.name: key for key in keys}
+
+
+def _profile_value(table: dict, field: str):
+    """A profile's field, normalised by its checker; a field left out is None (not passed)."""
+    return _PROFILE_KEYS[field][0](table[field]) if field in table else None
+
+
+def profile_default(manifest: Manifest, profile: str, field: str):
+    """The value of `field` in the manifest's service profile `profile`."""
+    return _profile_value(manifest.service["profiles"][profile], field)
+
+
+def _unknown_profile(name: str, profiles: Iterable[str]) -> str:
+    profiles = sorted(profiles)
+    close = (difflib.get_close_matches(name, profiles, n=1)
+             or [profile for profile in profiles if profile.casefold().startswith(name.casefold())][:1])
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return (f"unknown service profile {name!r}{hint}; the manifest's profiles: "
+            + ", ".join(sorted(profiles)))
 
 
 @dataclass(frozen=True)
@@ -468,16 +568,92 @@ def _consistency(values: dict, manifest: Manifest, bad: set[str]) -> list[str]:
         tp, gpus = values["service_tp"], values["gpu_count"]
         if gpus % tp:
             errors.append(f"'service_tp': expected a tensor-parallel size that divides gpu_count={gpus}, got {tp}")
-    if usable("service_speculative_num_steps", "service_speculative_eagle_topk",
-              "service_speculative_num_draft_tokens"):
-        steps, topk = values["service_speculative_num_steps"], values["service_speculative_eagle_topk"]
-        draft = values["service_speculative_num_draft_tokens"]
-        if topk == 1 and draft != steps + 1:
-            errors.append("'service_speculative_num_draft_tokens': expected speculative_num_steps + 1 = "
-                          f"{steps + 1} when speculative_eagle_topk is 1, got {draft}")
+    fields = {field: values[f"service_{field}"] for field in _PROFILE_KEYS}
+    errors += [f"'service_{field}': {why} (profile {values['service_profile']!r})"
+               for field, why in _profile_rules(fields, manifest,
+                                                lambda *needed: usable("service_profile",
+                                                                       *(f"service_{f}" for f in needed)))]
     if usable("cuda_runfile_url", "cuda_mirror") and values["cuda_runfile_url"] and values["cuda_mirror"]:
         errors.append("'cuda_runfile_url': set either cuda_runfile_url or cuda_mirror, not both")
     return errors
+
+
+# -- service profiles: what must hold together --------------------------------------------------------
+
+def _draft_tokens_rule(fields: dict, manifest: Manifest) -> list[tuple[str, str]]:
+    steps, topk = fields["speculative_num_steps"], fields["speculative_eagle_topk"]
+    draft = fields["speculative_num_draft_tokens"]
+    if topk == 1 and draft != steps + 1:
+        return [("speculative_num_draft_tokens", f"expected speculative_num_steps + 1 = {steps + 1} when "
+                 f"speculative_eagle_topk is 1, got {draft}")]
+    return []
+
+
+def _draft_model_rule(fields: dict, manifest: Manifest) -> list[tuple[str, str]]:
+    """A separate draft model exactly where the algorithm and the architecture need one."""
+    algorithm, draft, architecture = (fields["speculative_algorithm"], fields["draft_model_path"],
+                                      fields["model_architecture"])
+    if algorithm in SEPARATE_DRAFT_ALGORITHMS and draft is None:
+        return [("draft_model_path", f"expected a draft model: speculative_algorithm {algorithm} drafts with a "
+                 "separate model, got none")]
+    if algorithm not in MTP_ALGORITHMS:
+        return []
+    if architecture in SELF_DRAFTING_ARCHITECTURES and draft is not None:
+        return [("draft_model_path", f"expected none: with speculative_algorithm {algorithm}, {architecture} "
+                 f"drafts with its own MTP (NextN) layers, got {draft!r}")]
+    if architecture not in SELF_DRAFTING_ARCHITECTURES + OWN_OR_SEPARATE_DRAFT and draft is None:
+        return [("draft_model_path", f"expected a draft model: {architecture} (model_architecture) has no "
+                 f"MTP layers sglang drafts with for speculative_algorithm {algorithm}; those that do: "
+                 + ", ".join(SELF_DRAFTING_ARCHITECTURES + OWN_OR_SEPARATE_DRAFT))]
+    return []
+
+
+def _patches_rule(fields: dict, manifest: Manifest) -> list[tuple[str, str]]:
+    """The patches a profile needs are in servestack's set for the manifest's sglang."""
+    try:
+        version = manifest.package(PATCHED_PACKAGE).version
+    except KeyError:
+        version = None  # the manifest installs no sglang: no patch applies
+    available = patch_names(version) if version else ()
+    missing = [name for name in fields["patches"] if name not in available]
+    if not missing:
+        return []
+    offered = ", ".join(available) if available else "none"
+    what = f"{PATCHED_PACKAGE} {version}" if version else "an sglang the manifest does not install"
+    return [("patches", f"expected patches of servestack's set for {what} ({offered}), "
+             f"got {', '.join(repr(name) for name in missing)}")]
+
+
+_PROFILE_RULES = (
+    (("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"), _draft_tokens_rule),
+    (("speculative_algorithm", "draft_model_path", "model_architecture"), _draft_model_rule),
+    (("patches",), _patches_rule),
+)
+
+
+def _profile_rules(fields: dict, manifest: Manifest,
+                   usable: Callable[..., bool] = lambda *needed: True) -> list[tuple[str, str]]:
+    """(field, what is wrong) for a serving configuration's fields that do not fit together; a rule
+    runs only when `usable` says every field it reads is valid."""
+    return [problem for needed, rule in _PROFILE_RULES if usable(*needed) for problem in rule(fields, manifest)]
+
+
+@lru_cache(maxsize=8)
+def patch_names(version: str) -> tuple[str, ...]:
+    """The patches of servestack's set for `version` of the patched package (files/patches)."""
+    from facts.patches import load_patch_sets  # the patch step's own reading of files/patches
+    patch_set = load_patch_sets(PATCHED_PACKAGE).get(version)
+    return tuple(name for name, _text in patch_set["patches"]) if patch_set else ()
+
+
+def _host_profile(data: dict, manifest: Manifest) -> tuple[str, str | None]:
+    """The service profile a host picks (the manifest's default where it picks none or an unknown
+    one) and why its choice is refused, if it is."""
+    default = manifest.service["profile"]
+    chosen = data.get("service_profile", default)
+    if not isinstance(chosen, str) or chosen in manifest.service["profiles"]:
+        return (chosen if isinstance(chosen, str) else default), None  # a non-string: the key's check says so
+    return default, f"'service_profile': {_unknown_profile(chosen, manifest.service['profiles'])}"
 
 
 def _host_manifest(host_name: str, data: dict) -> tuple[Manifest, dict[str, Key]]:
@@ -512,15 +688,24 @@ def settings_from_data(host_name: str, data: dict) -> Settings:
         elif problem := foreign_key_problem(name, known):
             errors.append(problem)
     values, bad = {}, set()
+    profile, profile_problem = _host_profile(data, manifest)
+    if profile_problem:
+        errors.append(profile_problem)
+        bad.add("service_profile")
     for name, key in known.items():
+        default = (profile_default(manifest, profile, key.profile_field) if key.profile_field
+                   else key.default(manifest))
         if name not in data:
-            values[name] = key.default(manifest)
+            values[name] = default
             continue
         try:
-            values[name] = key.check(data[name])
+            value = key.check(data[name])
         except Invalid as problem:
             errors.append(f"'{name}': expected {problem}, got {data[name]!r}")
             values[name], bad = None, bad | {name}
+            continue
+        merge = _PROFILE_MERGES.get(key.profile_field)
+        values[name] = merge(default, value) if merge else value
     errors += _consistency(values, manifest, bad)
     if errors:
         raise ConfigError("\n".join(f"host {host_name}: {error}" for error in errors))

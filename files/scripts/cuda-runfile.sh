@@ -5,9 +5,10 @@
 # verify read them; reject needs none).
 #
 #   download PART      curl SS_RUNFILE_URL into PART (its directory created), resuming what is there
-#                      (`curl -C -`); each retry resumes too, up to SS_ATTEMPTS tries (default 5). With
-#                      SS_BUSY_FILE set it holds `flock` on that file while it runs, so the run's lock
-#                      is not taken for stale while a download is under way (see lock.sh).
+#                      (`curl -C -`); each retry resumes too, up to SS_ATTEMPTS tries (default 5). It
+#                      prints a progress line every SS_PROGRESS_EVERY seconds (default 5: bytes, rate,
+#                      ETA) and one when it resumes. With SS_BUSY_FILE set it holds `flock` on that
+#                      file while it runs (the deploy runs it under busy.sh instead, which does).
 #                      Exit 0 once PART holds SS_RUNFILE_SIZE bytes; 1 with the reason on stderr (the
 #                      partial file is kept: the next run resumes it).
 #   verify PATH [DEST] checks PATH's size, md5 and sha256 (both hashes read at once) against the
@@ -24,6 +25,21 @@
 set -u
 
 say() { echo "servestack: $*" >&2; }
+progress() { echo "servestack: $*"; }   # stdout: the deploy streams it to the operator
+human() { numfmt --to=iec --suffix=B "$1" 2>/dev/null || echo "$1 bytes"; }
+
+watch_download() {   # PART PID: a line every SS_PROGRESS_EVERY s (default 5) while PID runs: bytes, rate, ETA
+    local part=$1 pid=$2 every=${SS_PROGRESS_EVERY:-5} last now rate eta
+    last=$(stat -c %s -- "$part" 2>/dev/null || echo 0)
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep "$every"
+        kill -0 "$pid" 2>/dev/null || break
+        now=$(stat -c %s -- "$part" 2>/dev/null || echo 0)
+        rate=$(( (now - last) / every )); last=$now
+        eta="?"; [ "$rate" -gt 0 ] && eta="$(( (SS_RUNFILE_SIZE - now) / rate )) s"
+        progress "downloaded $(human "$now") of $(human "$SS_RUNFILE_SIZE") ($(( now * 100 / SS_RUNFILE_SIZE ))%), $(human "$rate")/s, ETA $eta"
+    done
+}
 ts=$(date -u +%Y%m%dT%H%M%SZ)
 
 move_to_rejected() {   # PATH: leaves PATH.rejected-$ts, the only rejected copy of the runfile
@@ -53,7 +69,10 @@ download() {
             exit 1
         fi
         n=$((n + 1))
-        curl -fsSL --connect-timeout 30 -C - -o "$part" "$SS_RUNFILE_URL"; rc=$?
+        [ "$have" -gt 0 ] && progress "resuming the download at $(human "$have") of $(human "$SS_RUNFILE_SIZE")"
+        curl -fsSL --connect-timeout 30 -C - -o "$part" "$SS_RUNFILE_URL" &
+        watch_download "$part" $!
+        wait $!; rc=$?
         [ $rc -eq 33 ] && rm -f -- "$part"          # the server cannot resume: start over
         [ $rc -eq 0 ] || sleep 2
     done

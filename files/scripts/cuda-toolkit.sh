@@ -17,9 +17,9 @@
 #                      the tree at SS_INSTALL_PATH is moved aside to SS_INSTALL_PATH.failed-<UTC>, the
 #                      marker removed, and stderr shows why, the installer's last output lines and the
 #                      last SS_LOG_TAIL_LINES lines of this run's log (SS_INSTALLER_TMP_LOG, else what this
-#                      run added to SS_INSTALLER_LOG). When that log shows the installer's compiler check
-#                      refused the host's gcc ("unsupported compiler"), the first line says so, followed
-#                      by SS_COMPILER_HINT (what to do about it: the host-data key that passes --override).
+#                      run added to SS_INSTALLER_LOG). When that log (or the installer's output) shows its
+#                      compiler check refused the host's gcc ("unsupported compiler"), the first line says
+#                      so, followed by SS_COMPILER_HINT (what to do about it: the host-data key that passes --override).
 #                      Environment: SS_RUNFILE SS_INSTALL_PATH SS_TMP_DIR SS_STATE_DIR SS_BUSY_FILE SS_MARKER_FILE SS_MARKER
 #                      SS_CUDA_VERSION SS_NVCC_RELEASE SS_NVCC_VERSION SS_INSTALLER_LOG SS_INSTALLER_TMP_LOG
 #                      SS_LOG_TAIL_LINES [SS_COMPILER_HINT SS_LINK_PATH SS_LINK_KIND SS_LINK_HOPS].
@@ -66,16 +66,16 @@ restore_link() {
 }
 
 set_aside_stale_log() {   # move an earlier SS_INSTALLER_TMP_LOG aside (the installer crashes on one it cannot replace)
-    local log=$SS_INSTALLER_TMP_LOG owner
+    local log=$SS_INSTALLER_TMP_LOG owner why="the installer writes that file and crashes on one it cannot replace"
     [ -e "$log" ] || [ -L "$log" ] || return 0
     owner=$(stat -c %U -- "$log" 2>/dev/null || echo unknown)
     rm -f -- "$log".stale-*
     if mv -f -- "$log" "$log.stale-$ts" 2>/dev/null; then
-        say "moved the earlier $log (owner $owner) aside to $log.stale-$ts: the installer writes that file and crashes on one it cannot replace"
+        say "moved the earlier $log (owner $owner) aside to $log.stale-$ts: $why"
     elif rm -f -- "$log" 2>/dev/null && [ ! -e "$log" ]; then
-        say "removed the earlier $log (owner $owner): the installer writes that file and crashes on one it cannot replace"
+        say "removed the earlier $log (owner $owner): $why"
     else
-        say "cannot move the earlier $log (owner $owner) aside, and the installer crashes on one it cannot replace: remove it"
+        say "cannot move the earlier $log (owner $owner) aside: remove it ($why)"
         return 1
     fi
 }
@@ -93,10 +93,12 @@ this_run_log() {   # OFFSET: this run's installer log (the fresh tmp log, else w
 install() {
     local out="$SS_TMP_DIR/servestack-cuda-installer.out" rc v why="" moved log_start=0 log log_found refused
     mkdir -p -- "$SS_TMP_DIR" "$SS_STATE_DIR" || exit 1
-    exec 8>>"$SS_BUSY_FILE"
-    if command -v flock >/dev/null 2>&1 && ! flock -n 8; then
-        say "another CUDA install is still running on this host"
-        exit 1
+    if [ -n "${SS_BUSY_FILE:-}" ]; then   # the deploy runs it under busy.sh instead, which holds it
+        exec 8>>"$SS_BUSY_FILE"
+        if command -v flock >/dev/null 2>&1 && ! flock -n 8; then
+            say "another CUDA install is still running on this host"
+            exit 1
+        fi
     fi
     set_aside_stale_log || exit 1
     if [ -f "$SS_INSTALLER_LOG" ]; then log_start=$(stat -c %s -- "$SS_INSTALLER_LOG"); fi
@@ -126,7 +128,7 @@ install() {
         fi
         rm -f -- "$SS_MARKER_FILE"
         log=$(this_run_log "$log_start"); log_found=$?
-        refused=$(printf '%s\n' "$log" | grep -i -m 1 'unsupported compiler')
+        refused=$( { printf '%s\n' "$log"; cat -- "$out"; } | grep -i -m 1 'unsupported compiler')
         if [ -n "$refused" ]; then
             say "CUDA $SS_CUDA_VERSION install refused by the installer's compiler check: $refused"
             if [ -n "${SS_COMPILER_HINT:-}" ]; then say "$SS_COMPILER_HINT"; fi

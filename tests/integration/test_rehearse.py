@@ -15,6 +15,7 @@ SERVESTACK = str(Path(sys.executable).parent / "servestack")
 
 
 def test_rehearse_dry_runs_converges_twice_and_verifies(sandbox_rootfs, tmp_path):
+    """Two hosts: one of each service profile (the manifest's two), each serving its own."""
     env = {**os.environ, "SERVESTACK_SANDBOX_DIR": str(tmp_path)}
     result = subprocess.run([SERVESTACK, "rehearse", "--hosts", "2"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=1200)
@@ -24,6 +25,9 @@ def test_rehearse_dry_runs_converges_twice_and_verifies(sandbox_rootfs, tmp_path
     assert last.startswith("rehearse: OK ")
     assert fields["hosts"] == "2" and fields["second_run_changes"] == "0" and fields["verify_failed"] == "0"
     assert int(fields["first_run_changes"]) > 0 and int(fields["verify_passed"]) > 0
+    assert last.endswith(" profiles=glm-5-mtp,kimi-k2.5-eagle3")
+    assert "h1: profile kimi-k2.5-eagle3: serves nvidia/Kimi-K2.5-NVFP4 (speculative algorithm EAGLE3)" in result.stderr
+    assert "h2: profile glm-5-mtp: serves festr2/GLM-5-NVFP4-MTP (speculative algorithm NEXTN)" in result.stderr
     assert "dry run: no host changed" in result.stderr
     assert "are small stand-ins" in result.stderr
     # What a user reviews before applying: the toolkit plan, the patch diffs and the unit, per host.

@@ -19,11 +19,18 @@ TestSourcesAndPolicies:
   h7  a half-installed tree left by a run that died mid-install: moved aside, installed again
   h8  a run that died after the installer re-pointed /usr/local/cuda: the next run restores it
 
+TestRefusedEarlyAndInstallerQuirks (issue 16):
+  h1, h2 a pre-staged runfile that is short / corrupt, under -y with deploy.py: refused by
+         preflight, nothing on any host changed
+  h3  a stale /tmp/cuda-installer.log owned by another user (the installer crashes on it)
+  h4  an installer whose compiler check refuses the host's gcc: reported with the key, which passes
+
 Every fault asserts that the 12.8 toolkit, /usr/local/cuda and any cached good runfile survive.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 import subprocess
@@ -190,6 +197,87 @@ class TestSourcesAndPolicies:
         assert tk.link(host) == "cuda-12.8"
         assert not tk.exists(host, "/var/lib/servestack/toolkit-install.json")
         assert tk.pyinfra(DEPLOY, limit=["h8"]).results["totals"]["success"] == 0
+
+class TestRefusedEarlyAndInstallerQuirks:
+    """Issue 16: what preflight refuses before any change, and the real installer's quirks."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tk(cls, sandbox_rootfs, sandbox_name, tmp_path_factory):
+        lab = start_toolkit_lab(sandbox_name("tkq"), tmp_path_factory.mktemp("quirks"), hosts=4,
+                                rootfs=sandbox_rootfs)
+        try:
+            yield lab
+        finally:
+            lab.stop()
+
+    # --- h1, h2: a bad pre-staged runfile --------------------------------------------------------
+
+    def test_a_bad_prestaged_runfile_is_refused_with_nothing_changed(self, tk):
+        good = tk.runfiles["normal"].read_bytes()
+        short = good[: len(good) // 2]
+        corrupt = good[:1000] + bytes([good[1000] ^ 0xFF]) + good[1001:]
+        path = f"/srv/cuda/{runfile_name(tk)}"
+        for name, data in (("h1", short), ("h2", corrupt)):
+            tk.put_file(tk.host(name), path, data)
+            tk.scenario(tk.host(name), f"prestaged-{name}", cuda_runfile_path=path)
+        before = tk.lab.fingerprints()
+        run = tk.pyinfra("deploy.py", limit=["h1", "h2"])
+        assert run.returncode == 1, run.output[-6000:]
+        assert tk.lab.fingerprints() == before, tk.lab.changes(before, tk.lab.snapshots())
+        assert re.search(rf"\[h1\]\s+refused: cuda_runfile_path {re.escape(path)} fails verification \(size "
+                         rf"{len(short)} bytes, expected {len(good)}\): not used", run.output), run.output[-6000:]
+        assert re.search(rf"\[h2\]\s+refused: cuda_runfile_path {re.escape(path)} fails verification \(md5 "
+                         rf"{hashlib.md5(corrupt).hexdigest()}, expected {hashlib.md5(good).hexdigest()}\): not used",
+                         run.output), run.output[-6000:]
+        for name in ("h1", "h2"):
+            refusals = [line for line in run.host_lines(name) if "refused:" in line]
+            assert len(refusals) == 1
+            print(f"\n{refusals[0]}")
+
+    # --- h3: a stale installer log of another user --------------------------------------------------
+
+    def test_a_stale_installer_log_of_another_user_does_not_break_the_install(self, tk):
+        host = tk.host("h3")
+        tk.scenario(host, "stale-log")
+        tk.sh(host, "echo '[INFO]: an earlier install, by another user' > /tmp/cuda-installer.log && "
+                    "chown nobody /tmp/cuda-installer.log && chmod 600 /tmp/cuda-installer.log")
+        tk.put_file(host, "/root/standin.run", tk.runfiles["normal"].read_bytes())   # as the real one: it crashes
+        crashed = tk.lab.exec(host, "sh /root/standin.run --silent --toolkit --installpath=/opt/crashed")
+        assert crashed.returncode == 139 and not tk.exists(host, "/opt/crashed"), crashed.stdout + crashed.stderr
+        tk.sh(host, "rm /root/standin.run")
+        run = tk.pyinfra(DEPLOY, limit=["h3"])
+        assert run.returncode == 0, run.output[-6000:]
+        assert "release 13.0, V13.0.88" in tk.sh(host, f"{INSTALL}/bin/nvcc --version")
+        owner, stale = tk.sh(host, "stat -c '%U %n' /tmp/cuda-installer.log.stale-*").split()
+        assert owner == "nobody" and "an earlier install" in tk.sh(host, f"cat {stale}")
+        assert "STAND-IN CUDA 13.0.1 installer" in tk.sh(host, "cat /tmp/cuda-installer.log")
+        assert tk.link(host) == "cuda-12.8"
+
+    # --- h4: the installer's compiler check ----------------------------------------------------------
+
+    def test_a_gcc_refusal_names_the_key_and_the_key_makes_it_pass(self, tk):
+        host = tk.host("h4")
+        kept = tk.tree(host)
+        tk.set_gcc(host, "16.1.0")
+        tk.scenario(host, "gcc")
+        refused = tk.pyinfra(DEPLOY, limit=["h4"])
+        assert refused.returncode == 1
+        assert re.search(r"\[h4\]\s+servestack: CUDA 13\.0\.1 install refused by the installer's compiler check: "
+                         r"\[ERROR\]: unsupported compiler version: 16\.1\.0\. Use --override to override this "
+                         r"check\.", refused.output), refused.output[-6000:]
+        assert re.search(r"\[h4\]\s+servestack: set cuda_installer_override = True in this host's data to pass "
+                         r"--override", refused.output)
+        assert not tk.exists(host, INSTALL)
+        print("", *[line for line in refused.host_lines("h4") if "compiler check" in line or "override" in line],
+              sep="\n")
+        tk.scenario(host, "gcc", cuda_installer_override=True)
+        passed = tk.pyinfra(DEPLOY, limit=["h4"])
+        assert passed.returncode == 0, passed.output[-6000:]
+        assert "release 13.0, V13.0.88" in tk.sh(host, f"{INSTALL}/bin/nvcc --version")
+        assert tk.tree(host) == kept and tk.link(host) == "cuda-12.8"
+        assert tk.pyinfra(DEPLOY, limit=["h4"]).results["totals"]["success"] == 0
+
 
 # --- h1: a fresh host --------------------------------------------------------------------------
 

@@ -6,7 +6,9 @@
   per scenario and several scenarios run on several hosts in one pyinfra run;
 - manifests carrying each mode's size and checksums (and a "no_disk" one whose extraction budget
   no disk has);
-- per-host host data and stand-in GPUs, pyinfra runs (optionally --debug, to count commands).
+- per-host host data and stand-in GPUs, pyinfra runs (optionally --debug, to count commands);
+- host-side knobs of the stand-ins: files put on a host (a pre-staged runfile), the gcc version the
+  stand-in runfile's compiler check finds (`set_gcc`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ MODES = ("normal", "repoint", "fail_midway", "broken_nvcc")
 INSTALL = "/usr/local/cuda-13.0"
 KEPT = "/usr/local/cuda-12.8"
 CACHE = "/var/cache/servestack"
+GCC_KNOB = "/etc/servestack-sandbox/gcc-version"     # read by the stand-in runfile's compiler check
 TREE_LISTING = "find {path} -printf '%P %y %s %l\\n' | LC_ALL=C sort | sha256sum"
 
 
@@ -157,6 +160,15 @@ class ToolkitLab:
         argv = self.lab.sandbox.ssh_argv(host, command)
         at = argv.index("ssh") + 1
         return argv[:at] + ["-o", "ControlMaster=no", "-o", "ControlPath=none"] + argv[at:]
+
+    def put_file(self, host, path: str, data: bytes) -> None:
+        argv = self.lab.sandbox.ssh_argv(host, f"mkdir -p $(dirname {path}) && cat > {path}")
+        result = subprocess.run(argv, input=data, capture_output=True)
+        assert result.returncode == 0, result.stderr
+
+    def set_gcc(self, host, version: str) -> None:
+        """The gcc version the stand-in runfile's compiler check finds on `host` (and refuses)."""
+        self.sh(host, f"mkdir -p $(dirname {GCC_KNOB}) && echo {version} > {GCC_KNOB}")
 
     def set_gpu(self, host, gpu: Gpu) -> None:
         argv = self.lab.sandbox.ssh_argv(host, "cat > /usr/bin/nvidia-smi && chmod 755 /usr/bin/nvidia-smi")

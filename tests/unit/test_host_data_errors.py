@@ -201,7 +201,7 @@ def test_a_manifest_missing_uv_version_is_named_by_file_and_key_for_every_run(tm
 
 @pytest.mark.parametrize("section, key, expected", [
     ("service", "tp", "expected an integer from 1 to 64 (missing)"),
-    ("service", "model_path", "expected a non-empty string (missing)"),
+    ('service.profiles."kimi-k2.5-eagle3"', "model_path", "expected a non-empty string (missing)"),
     ("venv", "keep_releases", "expected an integer >= 1 (missing)"),
 ])
 def test_a_manifest_missing_a_default_is_named_not_a_key_error(tmp_path, section, key, expected):
@@ -221,7 +221,7 @@ def test_a_bad_or_unknown_default_in_the_manifest_is_named(tmp_path):
         host_keys(load_manifest(path))
     lines = str(error.value).splitlines()
     assert lines[0] == f"{path}: key 'service.port': expected an integer from 1 to 65535, got '30000'"
-    assert lines[1].startswith(f"{path}: key 'service.colour': expected one of the known keys ['attention_backend', ")
+    assert lines[1].startswith(f"{path}: key 'service.colour': expected one of the known keys ['health_timeout_s', ")
     assert lines[1].endswith("] (unknown key)") and len(lines) == 2
 
 

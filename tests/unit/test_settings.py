@@ -151,7 +151,7 @@ def test_overrides_apply_and_defaults_come_from_the_manifest():
     assert settings.index_url("pypi") == manifest.indexes["pypi"]
     assert settings.wheel_url(manifest.package("sgl-kernel"), "aarch64") == manifest.package("sgl-kernel").wheel["aarch64"]
     assert settings.service_tp == 4
-    assert settings.service_model_path == manifest.service["model_path"]
+    assert settings.service_model_path == manifest.service["profiles"][manifest.service["profile"]]["model_path"]
 
 
 class FakeHost:

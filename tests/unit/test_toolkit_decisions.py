@@ -43,6 +43,7 @@ from servestack.manifest import Runfile
 from servestack.sandbox.standins.toolkit import write_toolkit_tree
 from servestack.settings import settings_from_data
 from tests.unit.fake_host import fake_state, run_here
+from tests.unit.test_toolkit_scripts import installer_tmp_log_in_tmp_path  # noqa: F401  (an autouse fixture)
 from tests.unit.test_toolkit_scripts import fake_runfile, lab_data, lab_manifest
 
 INSTALL = "/usr/local/cuda-13.0"
@@ -286,6 +287,31 @@ def test_install_command_uses_the_reference_flags():
     assert not [word for word in words if "--driver" in word]
 
 
+def test_the_override_key_adds_override_to_the_installer_flags():
+    def flags(**data):
+        s = settings(**data)
+        words = shlex.split(install_command(s, runfile_source(s, "x86_64"), "/x.run", None, "run-1"))
+        return words[words.index("cuda-toolkit.sh") + 2:]
+    assert "--override" not in flags()
+    assert flags(cuda_installer_override=True)[-1] == "--override"
+    assert settings().cuda_installer_override is False
+
+
+def test_the_compiler_hint_names_the_key():
+    assert "set cuda_installer_override = True in this host's data to pass --override" in " ".join(
+        shlex.split(install_command(settings(), runfile_source(settings(), "x86_64"), "/x.run", None, "r")))
+    assert "cuda_installer_override = True already passes --override" in install_command(
+        settings(cuda_installer_override=True), runfile_source(settings(), "x86_64"), "/x.run", None, "r")
+
+
+def test_a_prestaged_runfile_that_fails_names_its_key():
+    src = source(cuda_runfile_path="/srv/x.run")
+    src = src.__class__(RUNFILE, "prestaged", "/srv/x.run", None)
+    stats = {src.cached: stat(src.cached, 5)}
+    assert plan_runfile(src, stats, digest(src.cached, size=5)).problem == (
+        f"cuda_runfile_path /srv/x.run fails verification (size 5 bytes, expected {RUNFILE.size}): not used")
+
+
 def test_the_step_lists_the_read_its_operation_makes():
     s = settings()
     assert host_reads(s) == [FactRequest.of(CudaToolkits, **toolkit_fact_arguments(s))]
@@ -361,3 +387,25 @@ def test_a_toolkit_it_cannot_vouch_for_refuses_the_host_at_prepare(host_lab, cap
     assert fake_host(state) in state.failed_hosts
     assert "refused: " in caplog.text and "version.json says CUDA 13.0.2, expected 13.0.1" in caplog.text
     assert not (root / "state").exists() and not (root / "cache").exists()
+
+
+@pytest.mark.skipif(not shutil.which("curl") or not shutil.which("flock"), reason="needs curl and flock")
+def test_a_rejected_cached_runfile_replaces_the_older_rejected_copy_and_says_so(host_lab, caplog):
+    root, data = host_lab
+    caplog.set_level(logging.INFO, logger="pyinfra")
+    cache = root / "cache"
+    cache.mkdir()
+    name = "cuda_13.0.1_580.82.07_linux.run"
+    good = (root / "served.run").read_bytes()
+    (cache / name).write_bytes(good.replace(b"hello", b"HELLO"))               # full size, wrong checksums
+    older = cache / f"{name}.part.rejected-20250101T000000Z"
+    older.write_text("an older rejected download")
+    state = fake_state(data)
+    add_deploy(state, cuda_toolkit)
+    run_ops(state)
+    assert not state.failed_hosts
+    assert (f"removed the older rejected copy {older} (only the newest rejected runfile is kept)"
+            in caplog.text)
+    rejected = list(cache.glob("*.rejected-*"))
+    assert len(rejected) == 1 and rejected[0].name.startswith(f"{name}.rejected-")
+    assert (cache / name).read_bytes() == good

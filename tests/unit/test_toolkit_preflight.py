@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -11,6 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pyinfra import host
+from pyinfra.api.deploy import add_deploy, deploy
 
 from facts.gpu import Gpu, GpuReport
 from facts.host import (
@@ -26,12 +29,16 @@ from facts.host import (
 )
 from facts.batch import FactRequest
 from facts.preflight import PreflightFacts
-from facts.toolkit import (CudaToolkits, FileStat, LinkChain, NvccVersion, ToolkitState, Tree, dpkg_may_own,
-                           toolkits_command)
-from operations.preflight import CHECKS, disk_needs, evaluate, host_reads, problems_of
-from operations.toolkit import kept_paths, runfile_candidates, toolkit_fact_arguments
+from facts.toolkit import (CudaToolkits, Digest, FileStat, LinkChain, NvccVersion, ToolkitState, Tree,
+                           dpkg_may_own, toolkits_command)
+from operations.preflight import CHECKS, disk_needs, evaluate, host_reads, problems_of, read_preflight
+from operations.toolkit import kept_paths, runfile_candidates, runfile_toolkit, toolkit_fact_arguments
 from servestack.doctor import render_json, report_for
-from servestack.settings import settings_from_data
+from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from servestack.settings import host_settings, settings_from_data
+from tests.unit.fake_host import fake_state
+from tests.unit.test_toolkit_decisions import host_lab  # noqa: F401  (a fixture)
+from tests.unit.test_toolkit_scripts import installer_tmp_log_in_tmp_path  # noqa: F401  (an autouse fixture)
 
 FIXTURE_DF = Path(__file__).resolve().parents[1] / "fixtures" / "h200-ubuntu2404" / "df.txt"
 GB = 10**9
@@ -48,7 +55,7 @@ def blackwell(count=8, cap="12.0", driver="580.82.07") -> GpuReport:
 
 
 def facts(gpu=None, arch="x86_64", avail=100 * GB, lock=None, install=None, files=None, link=None,
-          mounts=None) -> PreflightFacts:
+          mounts=None, digest=None) -> PreflightFacts:
     mounts = mounts or {}
     disks = {path: Disk(path, mounts.get(path, "/"), avail, 200 * GB)
              for path in ("/var/cache/servestack", "/var/tmp", "/usr/local/cuda-13.0")}
@@ -57,7 +64,8 @@ def facts(gpu=None, arch="x86_64", avail=100 * GB, lock=None, install=None, file
         kept={"/usr/local/cuda-12.8": True},
         link=link or LinkChain("/usr/local/cuda", (("/usr/local/cuda", "cuda-12.8"),), "/usr/local/cuda-12.8", "link"),
         files=files or {})
-    return PreflightFacts(gpu=gpu or blackwell(), disks=disks, lock=lock or LockState(), toolkit=toolkit)
+    return PreflightFacts(gpu=gpu or blackwell(), disks=disks, lock=lock or LockState(), toolkit=toolkit,
+                          runfile_digest=digest)
 
 
 def by_name(checks):
@@ -132,6 +140,44 @@ def test_package_installed_toolkit_refuses_the_host():
 def test_missing_prestaged_runfile_is_refused():
     check = by_name(evaluate(settings(cuda_runfile_path="/srv/x.run"), facts()))["runfile"]
     assert check.status == "fail" and check.detail == "cuda_runfile_path /srv/x.run: no such file on the host"
+
+
+RUNFILE = settings().runfile("x86_64")
+CACHED = "/var/cache/servestack/cuda_13.0.1_580.82.07_linux.run"
+
+
+def digest_of(path, size=RUNFILE.size, md5=RUNFILE.md5, sha256=RUNFILE.sha256) -> Digest:
+    return Digest(path, True, FileStat(path, size, 1, 2), md5, sha256)
+
+
+@pytest.mark.parametrize("size, md5, differs", [
+    (1000, RUNFILE.md5, f"size 1000 bytes, expected {RUNFILE.size}"),
+    (RUNFILE.size, "0" * 32, f"md5 {'0' * 32}, expected {RUNFILE.md5}"),
+])
+def test_a_prestaged_runfile_that_fails_verification_refuses_the_host_in_one_line(size, md5, differs):
+    files = {"/srv/x.run": FileStat("/srv/x.run", size, 1, 2)}
+    checks = evaluate(settings(cuda_runfile_path="/srv/x.run"),
+                      facts(files=files, digest=digest_of("/srv/x.run", size=size, md5=md5)))
+    assert problems_of(checks) == [f"cuda_runfile_path /srv/x.run fails verification ({differs}): not used"]
+
+
+def test_a_prestaged_runfile_that_verifies_passes():
+    files = {"/srv/x.run": FileStat("/srv/x.run", RUNFILE.size, 1, 2)}
+    verified = facts(files=files, digest=digest_of("/srv/x.run"))
+    check = by_name(evaluate(settings(cuda_runfile_path="/srv/x.run"), verified))["runfile"]
+    assert (check.status, check.detail) == ("ok", "pre-staged at /srv/x.run: verified (size, md5, sha256)")
+    unread = by_name(evaluate(settings(cuda_runfile_path="/srv/x.run"), facts(files=files)))["runfile"]
+    assert (unread.status, unread.detail) == ("ok", "pre-staged at /srv/x.run (verified before use)")
+
+
+def test_a_cached_runfile_that_fails_verification_is_reported_not_refused():
+    files = {CACHED: FileStat(CACHED, RUNFILE.size, 1, 2)}
+    check = by_name(evaluate(settings(), facts(files=files, digest=digest_of(CACHED, sha256="c" * 64))))["runfile"]
+    assert check.status == "warn"
+    assert check.detail == (f"cached runfile {CACHED} fails verification (sha256 {'c' * 64}, expected "
+                            f"{RUNFILE.sha256}): moved aside and downloaded again")
+    good = by_name(evaluate(settings(), facts(files=files, digest=digest_of(CACHED))))["runfile"]
+    assert good.detail == f"cached at {CACHED}: verified (size, md5, sha256)"
 
 
 def test_link_policy_new_refuses_a_directory():
@@ -300,3 +346,51 @@ def test_the_lock_names_its_sshd_session_and_takes_and_releases_without_helper_p
     released = subprocess.run(["sh", "-c", release_lock_command(str(state), "run-A")], capture_output=True, text=True, env=env)
     assert released.stdout == "released\n"
     assert sorted(log.read_text().split()) == ["flock", "flock", "mv", "rm"]
+
+
+# --- the runfile's digest: read by preflight only when an install is due, reused by the toolkit step ---
+
+
+def _digest_commands(state) -> list[str]:
+    return [c for c in state.inventory.get_host("@fake/gpu1").connector.executed_commands if "md5sum" in c]
+
+
+def _read_then_toolkit(seen: dict):
+    @deploy("preflight's read, then the toolkit step")
+    def read_then_toolkit():
+        seen["facts"] = read_preflight(host, host_settings(host))
+        runfile_toolkit(name="toolkit")
+    return read_then_toolkit
+
+
+def test_preflight_reads_the_runfile_digest_and_the_toolkit_step_reuses_that_read(host_lab):
+    root, data = host_lab
+    staged = root / "srv" / "x.run"
+    staged.parent.mkdir()
+    staged.write_bytes((root / "served.run").read_bytes())
+    seen: dict = {}
+    state = fake_state({**data, "cuda_runfile_path": str(staged)})
+    add_deploy(state, _read_then_toolkit(seen))
+    digest = seen["facts"].runfile_digest
+    assert (digest.path, digest.md5) == (str(staged), hashlib.md5(staged.read_bytes()).hexdigest())
+    assert len(_digest_commands(state)) == 1                  # preflight's read, reused by the step
+    assert by_name(evaluate(host_settings_of(state), seen["facts"]))["runfile"].detail == (
+        f"pre-staged at {staged}: verified (size, md5, sha256)")
+
+
+def test_preflight_reads_no_digest_without_a_file_to_check_or_an_install_to_make(host_lab):
+    root, data = host_lab
+    seen: dict = {}
+    fresh = fake_state(data)                                  # nothing cached yet: a download is planned
+    add_deploy(fresh, _read_then_toolkit(seen))
+    assert seen["facts"].runfile_digest is None and not _digest_commands(fresh)
+    write_toolkit_tree(root / "cuda-13.0", "13.0.1", "13.0.88")   # installed: no runfile needed at all
+    (root / "cache").mkdir()
+    (root / "cache" / "cuda_13.0.1_580.82.07_linux.run").write_bytes((root / "served.run").read_bytes())
+    converged = fake_state(data)
+    add_deploy(converged, _read_then_toolkit(seen))
+    assert seen["facts"].runfile_digest is None and not _digest_commands(converged)
+
+
+def host_settings_of(state):
+    return host_settings(state.inventory.get_host("@fake/gpu1"))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from facts.toolkit import LinkChain
+from operations import toolkit as toolkit_step
 from operations.toolkit import (
     LOG_TAIL_LINES,
     RunfileSource,
@@ -33,11 +34,23 @@ from operations.toolkit import (
     write_json_command,
 )
 from servestack.manifest import DEFAULT_MANIFEST, Runfile
+from servestack.sandbox.standins.runfile import build_runfile
 from servestack.scripts import SCRIPTS, script_command
 from servestack.settings import settings_from_data
 
 STAMP = r"\d{8}T\d{6}Z"
 TOOLKIT_SCRIPTS = ("cuda-runfile.sh", "cuda-toolkit.sh", "upload-staging.sh")
+
+
+def installer_tmp_log(root: Path) -> Path:
+    """Where these tests' installer writes what the real one writes to /tmp/cuda-installer.log."""
+    return root / "slash-tmp" / "cuda-installer.log"
+
+
+@pytest.fixture(autouse=True)
+def installer_tmp_log_in_tmp_path(tmp_path, monkeypatch):
+    """The install script never touches this machine's /tmp/cuda-installer.log here."""
+    monkeypatch.setattr(toolkit_step, "INSTALLER_TMP_LOG", str(installer_tmp_log(tmp_path)))
 
 
 def sh(command: str, **kwargs) -> subprocess.CompletedProcess:
@@ -131,6 +144,28 @@ def test_reject_keeps_only_the_newest_rejected_copy(tmp_path):
     assert (tmp_path / names[0]).read_text() == "bad"
     assert re.search(rf"servestack: {path} failed verification \(size 3 bytes, expected 9\): moved aside to "
                      rf"{path}\.rejected-{STAMP}, never used", result.stderr)
+
+
+def test_reject_keeps_one_rejected_copy_of_the_runfile_whatever_its_name(tmp_path):
+    cached, part = tmp_path / "x.run", tmp_path / "x.run.part"
+    older = [tmp_path / "x.run.rejected-20250101T000000Z", tmp_path / "x.run.part.rejected-20250102T000000Z"]
+    for path in older:
+        path.write_text("older")
+    part.write_text("bad")
+    (tmp_path / "x.run.other").write_text("not a rejected copy")
+    result = sh(reject_command(str(part), "md5 a, expected b"))
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 2 and names[0] == "x.run.other" and re.fullmatch(rf"x\.run\.part\.rejected-{STAMP}", names[1])
+    for path in older:
+        assert (f"servestack: removed the older rejected copy {path} (only the newest rejected runfile is kept)"
+                in result.stderr)
+    cached.write_text("bad too")                              # the cached file fails in its turn
+    again = sh(verify_command(runfile_of(b"good"), str(cached), ours=True))
+    assert again.returncode == 1
+    assert f"removed the older rejected copy {tmp_path / names[1]}" in again.stderr
+    rejected = [p.name for p in tmp_path.glob("*.rejected-*")]
+    assert len(rejected) == 1 and re.fullmatch(rf"x\.run\.rejected-{STAMP}", rejected[0])
 
 
 # --- cuda-runfile.sh download ---------------------------------------------------------------------
@@ -272,19 +307,36 @@ def test_move_aside_moves_the_tree_and_forgets_its_marker(tmp_path):
 NVCC_13 = "Cuda compilation tools, release 13.0, V13.0.88"
 
 
+GCC_REFUSAL = "[ERROR]: unsupported compiler version: 16.1.0. Use --override to override this check."
+
+
 def fake_runfile(lab: Path, mode: str) -> bytes:
-    """A runfile standing in for NVIDIA's (run as `sh FILE FLAGS...`): records how it was run, then
-    installs (normal), fails midway re-pointing the link (fail), leaves an nvcc that cannot run
-    (broken) or one of another version (other)."""
+    """A runfile standing in for NVIDIA's (run as `sh FILE FLAGS...`): records how it was run (its
+    arguments, TMPDIR, DISPLAY, LANG and LC_ALL), crashes on any earlier
+    /tmp/cuda-installer.log (here installer_tmp_log(lab); the real one: on one it cannot replace), then installs (normal), fails midway
+    re-pointing the link (fail), leaves an nvcc that cannot run (broken) or one of another version
+    (other), writes its log to the tmp log and installs (tmplog), or fails the real installer's
+    compiler check there, with its wording, unless given --override (gcc)."""
     nvcc = {"broken": "exit 126", "other": "echo 'Cuda compilation tools, release 12.8, V12.8.93'"}.get(
         mode, f"echo '{NVCC_13}'")
     failing = (f"ln -sfn \"$p\" {lab}/cuda; echo '[ERROR]: Install of CUDA Toolkit 13.0 failed, quitting' >> "
                f"{lab}/installer.log; echo 'extraction failed' >&2; exit 1")
+    tmplog = installer_tmp_log(lab)
+    compiler_check = (f"""case " $* " in *" --override "*) ;; *)
+    printf '%s\\n' '[INFO]: Checking compiler version...' '[INFO]: gcc location: /usr/bin/gcc' '' \\
+        '[INFO]: gcc version: gcc version 16.1.0 (GCC) ' '' '{GCC_REFUSAL}' >> {tmplog}
+    echo ' Failed to verify gcc version. See log at /var/log/cuda-installer.log for details.'; exit 1 ;;
+esac
+""" if mode == "gcc" else "")
+    own_log = f"echo '[INFO]: the log of this run' >> {tmplog}\n" if mode in ("gcc", "tmplog") else ""
     return f"""printf '%s\\n' "$@" > {lab}/args
 printf '%s\\n' "$TMPDIR" > {lab}/tmpdir
+printf '%s\\n' "${{DISPLAY-unset}}" "${{LANG-unset}}" "${{LC_ALL-unset}}" > {lab}/locale
 cat {lab}/state/toolkit-install.json > {lab}/marker-while-running
 if flock -n {lab}/state/lock.busy true; then echo free; else echo held; fi > {lab}/busy-while-running
-for a in "$@"; do case $a in --installpath=*) p=${{a#--installpath=}} ;; esac; done
+if [ -e {tmplog} ]; then echo 'Segmentation fault (core dumped)' >&2; exit 139; fi
+mkdir -p {tmplog.parent}
+{own_log}{compiler_check}for a in "$@"; do case $a in --installpath=*) p=${{a#--installpath=}} ;; esac; done
 mkdir -p "$p/bin"
 cat > "$p/bin/nvcc" <<'NVCC'
 #!/bin/sh
@@ -349,10 +401,14 @@ def staged(lab, mode: str, prestaged: bool = False) -> RunfileSource:
     return source
 
 
-def install(lab, source: RunfileSource, use: str | None = None, keep: bool = True) -> subprocess.CompletedProcess:
-    root, settings, chain = lab
-    return sh(install_command(settings, source, use or source.part or source.cached, chain if keep else None,
-                              "run-1"))
+def install(lab, source: RunfileSource, use: str | None = None, keep: bool = True, settings=None,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """The install as the deploy runs it: under busy.sh (hostrun.while_busy), which holds lock.busy."""
+    root, lab_settings, chain = lab
+    settings = settings or lab_settings
+    command = install_command(settings, source, use or source.part or source.cached, chain if keep else None, "run-1")
+    return sh(script_command("busy.sh", settings.servestack_state_dir, "run-1", "cuda 13.0.1 install",
+                             "bash", "-c", command), **({"env": {**os.environ, **env}} if env else {}))
 
 
 @pytest.mark.skipif(not shutil.which("flock"), reason="no flock on this machine")
@@ -430,7 +486,7 @@ def test_a_runfile_that_fails_verification_is_never_run(lab):
     Path(source.part).write_bytes(Path(source.part).read_bytes().replace(b"hello", b"HELLO"))
     result = install(lab, source)
     assert result.returncode == 1 and "fails verification (md5" in result.stderr
-    assert not (root / "args").exists() and not (root / "state").exists()
+    assert not (root / "args").exists() and not (root / "state" / "toolkit-install.json").exists()
     assert len(list((root / "cache").glob("x.run.part.rejected-*"))) == 1
 
 
@@ -443,8 +499,125 @@ def test_install_waits_for_nobody_while_another_holds_the_busy_lock(lab):
         result = install(lab, staged(lab, "normal"))
     finally:
         release(holder)
-    assert result.returncode == 1 and "another CUDA install is still running on this host" in result.stderr
+    assert result.returncode == 75 and result.stderr.startswith("busy "), result.stderr
     assert not (root / "args").exists() and not (root / "state" / "toolkit-install.json").exists()
+
+
+def test_install_runs_the_installer_with_lang_c_and_without_display(lab):
+    root, _, _ = lab
+    result = install(lab, staged(lab, "normal"), env={"DISPLAY": ":0", "LANG": "de_DE.UTF-8",
+                                                      "LC_ALL": "de_DE.UTF-8"})
+    assert result.returncode == 0, result.stderr
+    assert (root / "locale").read_text().split() == ["unset", "C", "C"]
+
+
+def stale_installer_log(root: Path, text: str) -> Path:
+    """An earlier /tmp/cuda-installer.log, owned by another user where this test may chown."""
+    log = installer_tmp_log(root)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(text)
+    log.chmod(0o600)
+    if os.getuid() == 0:
+        os.chown(log, pwd.getpwnam("nobody").pw_uid, -1)
+    return log
+
+
+def test_an_earlier_installer_log_is_moved_aside_before_the_install(lab):
+    root, _, _ = lab
+    log = stale_installer_log(root, "[INFO]: another user's install\n")
+    (log.parent / "cuda-installer.log.stale-20250101T000000Z").write_text("an older one")
+    result = install(lab, staged(lab, "tmplog"))
+    assert result.returncode == 0, result.stderr
+    stale = list(log.parent.glob("cuda-installer.log.stale-*"))
+    assert len(stale) == 1 and re.fullmatch(rf"cuda-installer\.log\.stale-{STAMP}", stale[0].name)
+    assert stale[0].read_text() == "[INFO]: another user's install\n"
+    owner = "nobody" if os.getuid() == 0 else pwd.getpwuid(os.getuid()).pw_name
+    assert stale[0].owner() == owner
+    assert log.read_text() == "[INFO]: the log of this run\n"
+    assert (f"servestack: moved the earlier {log} (owner {owner}) aside to {stale[0]}: the installer writes that "
+            "file and crashes on one it cannot replace") in result.stderr
+
+
+def test_a_failed_install_shows_this_runs_log_not_an_earlier_one(lab):
+    root, _, _ = lab
+    stale_installer_log(root, GCC_REFUSAL.replace("16.1.0", "9.9.9") + "\n")
+    (root / "installer.log").write_text(GCC_REFUSAL.replace("16.1.0", "8.8.8") + "\n")   # an earlier run's
+    result = install(lab, staged(lab, "fail"))
+    assert result.returncode == 1
+    assert "compiler check" not in result.stderr and "unsupported compiler" not in result.stderr
+    tail = result.stderr[result.stderr.index(f"last lines of {root}/installer.log:"):].splitlines()[1:]
+    assert tail[0] == "[INFO]: log line 7" and tail[-1] == "[ERROR]: Install of CUDA Toolkit 13.0 failed, quitting"
+
+
+def test_a_compiler_check_refusal_names_the_key_that_passes_override(lab):
+    root, settings, _ = lab
+    result = install(lab, staged(lab, "gcc"))
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert lines[0] == ("servestack: CUDA 13.0.1 install refused by the installer's compiler check: "
+                        f"{GCC_REFUSAL}")
+    assert lines[1] == ("servestack: set cuda_installer_override = True in this host's data to pass --override "
+                        "(it skips that check), or install a gcc that CUDA 13.0.1 supports")
+    assert "Failed to verify gcc version." in result.stderr                           # the installer's output
+    assert f"last lines of {installer_tmp_log(root)}:" in result.stderr
+    assert "--override" not in (root / "args").read_text().split()
+    assert not (root / "cuda-13.0").exists()
+    override = settings_from_data("h1", {**lab_data(root, lab_manifest(root)), "cuda_installer_override": True})
+    installer_tmp_log(root).unlink()                          # (moved aside by the script, as any earlier one)
+    again = install(lab, staged_again(lab, "gcc"), settings=override)
+    assert again.returncode == 0, again.stderr
+    assert (root / "args").read_text().split()[-3:] == ["--override", f"--installpath={root}/cuda-13.0",
+                                                         f"--tmpdir={root}/tmp"]
+
+
+def staged_again(lab, mode: str) -> RunfileSource:
+    """`staged` once more: the cached copy of the first install's download is in the way."""
+    root, _, _ = lab
+    shutil.rmtree(root / "cache")
+    return staged(lab, mode)
+
+
+def test_the_stand_in_runfile_crashes_on_another_users_installer_log_as_the_real_one(tmp_path):
+    runfile = build_runfile(tmp_path / "build")
+    root = tmp_path / "root"
+    (root / "tmp").mkdir(parents=True)
+    (root / "tmp").chmod(0o1777)
+    env = {"PATH": os.environ["PATH"], "SERVESTACK_STANDIN_ROOT": str(root)}
+    flags = ["--silent", "--toolkit", "--installpath=/usr/local/cuda-13.0", f"--tmpdir={tmp_path}"]
+    log = root / "tmp" / "cuda-installer.log"
+    log.write_text("[INFO]: another user's install\n")
+    if os.getuid() == 0:
+        os.chown(log, pwd.getpwnam("nobody").pw_uid, -1)
+    else:
+        log.chmod(0o400)
+    crashed = subprocess.run(["sh", runfile, *flags], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert crashed.returncode == 139 and not (root / "usr/local/cuda-13.0").exists()
+    log.unlink()
+    done = subprocess.run(["sh", runfile, *flags], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[INFO]: Installed: CUDA Toolkit 13.0 in /usr/local/cuda-13.0" in log.read_text()
+
+
+def test_the_stand_in_runfile_fails_its_compiler_check_with_the_real_wording_unless_overridden(tmp_path):
+    runfile = build_runfile(tmp_path / "build")
+    root = tmp_path / "root"
+    knob = root / "etc" / "servestack-sandbox" / "gcc-version"
+    knob.parent.mkdir(parents=True)
+    knob.write_text("16.1.0\n")
+    env = {"PATH": os.environ["PATH"], "SERVESTACK_STANDIN_ROOT": str(root)}
+    flags = ["--silent", "--toolkit", "--installpath=/usr/local/cuda-13.0", f"--tmpdir={tmp_path}"]
+    refused = subprocess.run(["sh", runfile, *flags], capture_output=True, text=True, env=env, cwd=tmp_path)
+    shown = "/var/log/cuda-installer.log" if os.getuid() == 0 else "/tmp/cuda-installer.log"
+    assert refused.returncode == 1
+    assert refused.stdout == f" Failed to verify gcc version. See log at {shown} for details.\n"
+    log = (root / "tmp" / "cuda-installer.log").read_text().splitlines()
+    assert log[-4:] == ["[INFO]: Checking compiler version...", "[INFO]: gcc location: /usr/bin/gcc",
+                        "[INFO]: gcc version: gcc version 16.1.0 (servestack sandbox stand-in)", GCC_REFUSAL]
+    assert not (root / "usr/local/cuda-13.0").exists()
+    passed = subprocess.run(["sh", runfile, *flags, "--override"], capture_output=True, text=True, env=env,
+                            cwd=tmp_path)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert (root / "usr/local/cuda-13.0/bin/nvcc").is_file()
 
 
 # --- records --------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ in /opt/servestack-sandbox-standins on each host, and its host data sets
 starts this instead of SGLang (tests may also copy it into a release venv's site-packages). It parses the same arguments the unit
 passes (unknown or inconsistent ones make it exit 2, as SGLang's argument parser would) and
 serves what the health gate uses: GET /health, GET /health_generate, POST /generate, and
-GET /server_info (the parsed arguments, for tests to check what the unit passed).
+GET /server_info: what it was started with, for tests to check what the unit passed (the parsed
+arguments, the command line as given and the SGLANG_* environment).
 
 Behaviour knobs, read from the environment first, then from files in the venv (`sys.prefix`), so
 a test can make one release broken without touching the unit:
@@ -29,6 +30,8 @@ from pathlib import Path
 
 MODES = ("ok", "never-healthy", "fail-requests", "crash")
 SPECULATIVE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE")
+OWN_DRAFT_ALGORITHMS = ("EAGLE", "NEXTN")  # may draft with the model's own MTP layers: no draft path
+KV_CACHE_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "fp4_e2m1")  # as sglang 0.5.9
 
 
 def argument_parser() -> argparse.ArgumentParser:
@@ -41,8 +44,11 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speculative-eagle-topk", type=int)
     parser.add_argument("--speculative-num-draft-tokens", type=int)
     parser.add_argument("--attention-backend")
+    parser.add_argument("--quantization")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES)
     parser.add_argument("--enable-torch-symm-mem", action="store_true")
     parser.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     # A few of SGLang's optional flags, so tests can pass service_extra_args.
@@ -56,7 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argument_parser()
     args = parser.parse_args(argv)
     if args.speculative_algorithm:
-        if not args.speculative_draft_model_path:
+        if not args.speculative_draft_model_path and args.speculative_algorithm not in OWN_DRAFT_ALGORITHMS:
             parser.error(f"--speculative-algorithm {args.speculative_algorithm} needs --speculative-draft-model-path")
         if args.speculative_eagle_topk == 1 and args.speculative_num_draft_tokens != (args.speculative_num_steps or 0) + 1:
             parser.error("--speculative-eagle-topk 1 needs --speculative-num-draft-tokens = --speculative-num-steps + 1")
@@ -81,7 +87,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.reply(503, {"status": "starting" if self.server.mode == "ok" else self.server.mode})
         elif self.path in ("/server_info", "/get_server_info"):
             self.reply(200, {"version": "stand-in", "pid": os.getpid(), "mode": self.server.mode,
-                             "server_args": vars(self.server.args)})
+                             "server_args": vars(self.server.args), "argv": self.server.argv,
+                             "environment": {name: value for name, value in sorted(os.environ.items())
+                                             if name.startswith("SGLANG_")}})
         else:
             self.reply(404, {"error": f"no route {self.path}"})
 
@@ -118,8 +126,8 @@ class Handler(BaseHTTPRequestHandler):
 class FakeServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, args: argparse.Namespace, mode: str, startup_s: float):
-        self.args, self.mode = args, mode
+    def __init__(self, args: argparse.Namespace, mode: str, startup_s: float, argv: list[str] = ()):
+        self.args, self.mode, self.argv = args, mode, list(argv)
         self.ready_at = time.monotonic() + startup_s
         super().__init__((args.host, args.port), Handler)
 
@@ -128,7 +136,8 @@ class FakeServer(ThreadingHTTPServer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
     mode = knob("FAKE_SGLANG_MODE", "fake-sglang-mode", "ok")
     if mode not in MODES:
         print(f"fake_sglang_server: unknown mode {mode!r}; expected one of {', '.join(MODES)}", file=sys.stderr)
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fake_sglang_server: told to crash at start", file=sys.stderr, flush=True)
         return 1
     startup_s = float(knob("FAKE_SGLANG_STARTUP_S", "fake-sglang-startup-s", "0.5"))
-    server = FakeServer(args, mode, startup_s)
+    server = FakeServer(args, mode, startup_s, argv)
     print(f"fake sglang (stand-in) listening on {args.host}:{args.port}, pid {os.getpid()}, mode {mode}, "
           f"python {sys.executable}", flush=True)
     server.serve_forever()

@@ -12,7 +12,27 @@ as quiet (no integrity or progress messages). The install script:
   --no-man-page --override --tmpdir=P --extract=P` and rejects anything else;
 - refuses without `--silent` (the real one would show the EULA), and refuses `--driver` or a
   silent run without `--toolkit` (both would install the driver);
-- appends `[INFO]: ...` lines to /var/log/cuda-installer.log (/tmp/cuda-installer.log when not root);
+- appends `[INFO]: ...` lines to /tmp/cuda-installer.log whatever `--tmpdir` and TMPDIR say (the
+  real installer has that path built in: nixpkgs' cudatoolkit recipe patches the string out of
+  its binary), and as root the same lines to /var/log/cuda-installer.log (where the real one
+  run as root says "See log at ..."; which of the two it keeps is not documented);
+- crashes (SIGSEGV, exit 139, nothing installed) when a stale /tmp/cuda-installer.log cannot be
+  replaced, as the real one does (public install notes and EasyBuild's CUDA easyblock, which
+  removes the file before and after an install for that reason): the file is not writable, or it
+  belongs to another user than the installer's and /tmp's in the sticky, world-writable /tmp.
+  The last case is the kernel's fs.protected_regular rule (1 by default under systemd >= 241),
+  which refuses that open(O_CREAT) even to root; the sandbox's kernel may have it off, so the
+  stand-in applies the rule itself;
+- checks the compiler as the real one does, with its log wording: when the host's sandbox knob
+  /etc/servestack-sandbox/gcc-version holds a version (what this host's gcc "reports"; no such
+  file: a supported gcc), it logs `[INFO]: Checking compiler version...`, `[INFO]: gcc location:
+  /usr/bin/gcc`, `[INFO]: gcc version: gcc version V ...` and `[ERROR]: unsupported compiler
+  version: V. Use --override to override this check.`, prints ` Failed to verify gcc version.
+  See log at LOG for details.` and exits 1 having installed nothing, unless `--override` is
+  passed (which skips that check). The real installer's exit code is not documented (an older
+  one was reported to exit 0: chainer/chainer-test#525); servestack decides from nvcc and the log;
+- takes as long as the host's sandbox knob /etc/servestack-sandbox/install-seconds says before it
+  copies the tree (the real one takes minutes; tests interrupt a run meanwhile);
 - behaves per build-time `mode`: "normal"; "repoint" (also points /usr/local/cuda at the install
   path, as the real installer may); "fail_midway" (copies part of the tree, logs an error,
   exits 1); "broken_nvcc" (exits 0 but the installed nvcc cannot run).
@@ -135,11 +155,31 @@ _INSTALL_SH = r'''#!/bin/sh
 MODE=@MODE@
 ROOT="${SERVESTACK_STANDIN_ROOT:-}"
 installpath=@DEFAULT_PATH@
-silent=n toolkit=n extract=
+silent=n toolkit=n override=n extract=
 
-if [ "$(id -u)" = 0 ]; then LOG="$ROOT/var/log/cuda-installer.log"; else LOG="$ROOT/tmp/cuda-installer.log"; fi
-mkdir -p "$(dirname "$LOG")"
-log() { echo "[$1]: $2" >> "$LOG"; }
+TMPLOG="$ROOT/tmp/cuda-installer.log"
+if [ "$(id -u)" = 0 ]; then LOG="$ROOT/var/log/cuda-installer.log"; else LOG="$TMPLOG"; fi
+GCC_KNOB="$ROOT/etc/servestack-sandbox/gcc-version"
+SLOW_KNOB="$ROOT/etc/servestack-sandbox/install-seconds"
+
+# The real installer opens /tmp/cuda-installer.log first and crashes when it cannot (see the
+# module docstring): SIGSEGV, no core file.
+crash() { ulimit -c 0; kill -SEGV $$; exit 139; }
+replaceable() {   # FILE: can this process open FILE with O_CREAT, fs.protected_regular applied?
+    [ -e "$1" ] || return 0
+    [ -w "$1" ] || return 1
+    dir=$(dirname "$1"); owner=$(stat -c %u "$1")
+    if [ "$owner" = "$(id -u)" ] || [ "$owner" = "$(stat -c %u "$dir")" ]; then return 0; fi
+    if [ -k "$dir" ] && [ "$(stat -c %A "$dir" | cut -c9)" = w ]; then return 1; fi
+    return 0
+}
+mkdir -p "$(dirname "$TMPLOG")" "$(dirname "$LOG")"
+replaceable "$TMPLOG" || crash
+: >> "$TMPLOG" 2>/dev/null || crash
+log() {
+    echo "[$1]: $2" >> "$TMPLOG"
+    if [ "$LOG" != "$TMPLOG" ]; then echo "[$1]: $2" >> "$LOG"; fi
+}
 refuse() { echo "$1"; log ERROR "$1"; exit 1; }
 
 for arg in "$@"; do
@@ -147,7 +187,8 @@ for arg in "$@"; do
     --silent) silent=y ;;
     --toolkit) toolkit=y ;;
     --installpath=*|--toolkitpath=*) installpath="${arg#*=}" ;;
-    --no-opengl-libs|--no-drm|--no-man-page|--override|--tmpdir=*) ;;
+    --override) override=y ;;
+    --no-opengl-libs|--no-drm|--no-man-page|--tmpdir=*) ;;
     --extract=*) extract="${arg#*=}" ;;
     --driver) refuse "STAND-IN installer: --driver is refused here (the sandbox never installs a driver)" ;;
     *) refuse "Unknown option: $arg" ;;
@@ -165,6 +206,14 @@ case "$installpath" in /*) ;; *) refuse "Install path must be absolute: $install
 
 log INFO "Driver not installed."
 log INFO "Checking compiler version..."
+if [ -f "$GCC_KNOB" ] && [ "$override" != y ]; then
+    gcc_version=$(head -n 1 "$GCC_KNOB")
+    log INFO "gcc location: /usr/bin/gcc"
+    log INFO "gcc version: gcc version $gcc_version (servestack sandbox stand-in)"
+    log ERROR "unsupported compiler version: $gcc_version. Use --override to override this check."
+    echo " Failed to verify gcc version. See log at ${LOG#$ROOT} for details."
+    exit 1
+fi
 log INFO "Initializing menu"
 log INFO "Setup complete"
 log INFO "Components to install: "
@@ -172,6 +221,7 @@ log INFO "CUDA Toolkit @MAJOR_MINOR@"
 log INFO "Installing: CUDA Toolkit"
 dest="$ROOT$installpath"
 mkdir -p "$dest"
+if [ -f "$SLOW_KNOB" ]; then sleep "$(head -n 1 "$SLOW_KNOB")"; fi
 if [ "$MODE" = fail_midway ]; then
     cp -a toolkit/targets toolkit/version.json "$dest/"
     log ERROR "Install of CUDA Toolkit @MAJOR_MINOR@ failed, quitting"
