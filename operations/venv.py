@@ -96,6 +96,16 @@ def _params(settings, **extra) -> dict:
             "state_dir": settings.servestack_state_dir, **extra}
 
 
+def env_problems(settings, state: dict | None, changes_it: bool = False) -> list[str]:
+    """Why an operation cannot work on this host's environment: no python to run the tool, or
+    (for an operation that changes venv_path) something at venv_path that is not a venv or link."""
+    if state is None:
+        return [_no_python(settings)]
+    if changes_it and state["venv_path"]["kind"] == "other":
+        return [_not_a_venv(settings)]
+    return []
+
+
 def _not_a_venv(settings) -> str:
     return (f"{settings.venv_path} (venv_path) exists but is not a venv (no pyvenv.cfg); servestack "
             "will not move or replace it: move it away and re-run")
@@ -129,8 +139,9 @@ def backup_env(target: str, reason: str = "before change"):
     """
     settings = host_settings(host)
     state = env_state(settings)
-    if state is None:
-        yield from refuse(host, [_no_python(settings)])
+    problems = env_problems(settings, state)
+    if problems:
+        yield from refuse(host, problems)
         return
     where = state["venv_path"]
     if not _environment_changes(state, target):
@@ -157,11 +168,9 @@ def build_release(release: ReleasePlan):
     """
     settings = host_settings(host)
     state = env_state(settings)
-    if state is None:
-        yield from refuse(host, [_no_python(settings)])
-        return
-    if state["venv_path"]["kind"] == "other":  # refuse before spending time on a build
-        yield from refuse(host, [_not_a_venv(settings)])
+    problems = env_problems(settings, state, changes_it=True)  # refuse before spending time on a build
+    if problems:
+        yield from refuse(host, problems)
         return
     record = state["releases"].get(release.id) or {}
     if record.get("status") == "ok" and record.get("has_venv"):
@@ -195,13 +204,11 @@ def activate_release(release: str, by: str = "deploy"):
     """
     settings = host_settings(host)
     state = env_state(settings)
-    if state is None:
-        yield from refuse(host, [_no_python(settings)])
+    problems = env_problems(settings, state, changes_it=True)
+    if problems:
+        yield from refuse(host, problems)
         return
     where = state["venv_path"]
-    if where["kind"] == "other":
-        yield from refuse(host, [_not_a_venv(settings)])
-        return
     if where["release"] == release:
         noop(host, f"{settings.venv_path} already points at release {release}")
         return
@@ -223,8 +230,9 @@ def prune_releases(active: str):
     """
     settings = host_settings(host)
     state = env_state(settings)
-    if state is None:
-        yield from refuse(host, [_no_python(settings)])
+    problems = env_problems(settings, state)
+    if problems:
+        yield from refuse(host, problems)
         return
     releases = dict(state["releases"])
     history = list(state["history"])

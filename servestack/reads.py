@@ -43,7 +43,7 @@ def changes_so_far(host) -> int:
     """How many of this run's operations changed the host (ran commands) so far."""
     state = host.state
     count = 0
-    for op_hash in state.ops[host]:
+    for op_hash in state.ops.get(host, {}):
         meta = state.get_op_data_for_host(host, op_hash).operation_meta
         if meta.is_complete() and meta.did_change():
             count += 1

@@ -11,6 +11,7 @@
 # Exit: COMMAND's exit status; 75 printing `busy <activity json>` on stderr when another process
 # holds lock.busy; 1 when flock is missing.
 state=${1%/}; run=$2; step=$3; shift 3
+trap '' HUP PIPE   # from the start: the run's connection may go any time now
 command -v flock >/dev/null 2>&1 || { echo "servestack: 'flock' (util-linux) is needed on the host" >&2; exit 1; }
 mkdir -p -m 755 "$state" || exit 1
 exec 8>>"$state/lock.busy"
@@ -22,7 +23,6 @@ fi
 printf '{"run_id": "%s", "step": "%s", "since": "%s", "pid": %s}\n' \
     "$run" "$step" "$(date -u +%Y%m%dT%H%M%SZ)" "$$" > "$state/lock.activity.new.$$" \
     && mv -f "$state/lock.activity.new.$$" "$state/lock.activity"
-trap '' HUP PIPE
 "$@"
 status=$?
 rm -f "$state/lock.activity"

@@ -369,8 +369,19 @@ def run(command, log, env, cwd=None, what=None, retry_crash=False):
 
 def progress(text):
     """A line of what a long command is doing, as it happens (the deploy streams it to the operator)."""
-    sys.stdout.write("servestack: %s\n" % text)
-    sys.stdout.flush()
+    write_out("servestack: %s\n" % text)
+
+
+def write_out(text):
+    """stdout, unless the run that started this command is gone (its connection closed): then the
+    command goes on without it (files/scripts/busy.sh), writing to /dev/null from here on."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def exit_text(returncode):
@@ -468,10 +479,11 @@ def build(params, log):
 
 
 def build_guard(directory):
-    """Hold `<release dir>.build-guard` (flock) for this process: a release directory is written by
-    one build at a time. Another build holding it is named in the failure (pid, run, since)."""
+    """Hold `<releases dir>/.build-guard` (flock) for this process: a release directory is written by
+    one build at a time (one build at a time on the host). Another build holding it is named in the
+    failure (its release, pid, since when)."""
     import fcntl
-    path = directory.rstrip("/") + ".build-guard"
+    path = os.path.join(os.path.dirname(directory.rstrip("/")), ".build-guard")  # one per releases dir
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     handle = open(path, "a+")
     try:
@@ -479,11 +491,11 @@ def build_guard(directory):
     except OSError:
         handle.seek(0)
         holder = handle.read().strip() or "unknown"
-        raise Failure("release %s is being built by another process (%s): not building it twice"
-                      % (os.path.basename(directory), holder)) from None
+        raise Failure("release %s cannot be built now: another build holds %s (%s)"
+                      % (os.path.basename(directory), path, holder)) from None
     handle.seek(0)
     handle.truncate()
-    handle.write("pid %d since %s\n" % (os.getpid(), utc_stamp()))
+    handle.write("release %s, pid %d, since %s\n" % (os.path.basename(directory), os.getpid(), utc_stamp()))
     handle.flush()
     return handle
 
@@ -627,7 +639,7 @@ def main(argv):
     except Failure as failure:
         sys.stderr.write("servestack: %s\n" % failure)
         return 1
-    print(json.dumps(result, sort_keys=True))
+    write_out(json.dumps(result, sort_keys=True) + "\n")
     return 0
 
 

@@ -142,3 +142,18 @@ def lab(sandbox_rootfs: Path, sandbox_name: Callable[[str], str], made: Made) ->
         return the_lab
 
     return make
+
+
+@pytest.fixture(scope="session")
+def toolkit_lab(sandbox_rootfs: Path, sandbox_name: Callable[[str], str], tmp_path_factory):
+    """Factory `toolkit_lab(prefix, folder, hosts) -> ToolkitLab` (tests/integration/toolkit_lab.py), up,
+    under a new temporary directory `folder`. Not torn down with the test that made it: a module's or a
+    class's fixture holds it as `with toolkit_lab(...) as tk: yield tk`, which stops it when they end.
+    """
+    from toolkit_lab import start_toolkit_lab
+
+    def make(prefix: str, folder: str, hosts: int):
+        return start_toolkit_lab(sandbox_name(prefix), tmp_path_factory.mktemp(folder), hosts=hosts,
+                                 rootfs=sandbox_rootfs)
+
+    return make

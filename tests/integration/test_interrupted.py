@@ -118,6 +118,7 @@ def test_the_recap_names_each_host_changed_unchanged_and_refused(lab):
     assert refused.returncode != 0
     line = [line for line in refused.output.splitlines() if line.startswith("h1 ")][-1]
     assert "refused" in line and "changed=0" in line and "reason: 8 of 8 GPUs are not compute capability 9.0" in line
+    assert "pyinfra error" not in refused.output and "No hosts remaining" not in refused.output
 
 
 def test_the_recap_names_a_failed_host_and_why(lab):

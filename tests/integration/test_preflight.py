@@ -14,7 +14,7 @@ import time
 import pytest
 
 from servestack.sandbox.standins.nvidia_smi import Gpu
-from toolkit_lab import REPO, start_toolkit_lab
+from toolkit_lab import REPO
 
 pytestmark = pytest.mark.integration
 
@@ -23,12 +23,9 @@ BUSY = "/var/lib/servestack/lock.busy"
 
 
 @pytest.fixture(scope="module")
-def pf(sandbox_rootfs, sandbox_name, tmp_path_factory):
-    lab = start_toolkit_lab(sandbox_name("pf"), tmp_path_factory.mktemp("preflight"), hosts=3, rootfs=sandbox_rootfs)
-    try:
+def pf(toolkit_lab):
+    with toolkit_lab("pf", "preflight", hosts=3) as lab:
         yield lab
-    finally:
-        lab.stop()
 
 
 def doctor(pf, *args: str) -> subprocess.CompletedProcess:

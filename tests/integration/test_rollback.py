@@ -7,17 +7,15 @@ import json
 
 import pytest
 
-from venv_lab import MANIFEST, RELEASES, ROLLBACK, UPGRADE, VENV, start_lab, stop_lab
+from venv_lab import MANIFEST, RELEASES, ROLLBACK, UPGRADE, VENV, start_lab
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def lab(sandbox):
-    lab = start_lab(sandbox)
-    yield lab
-    stop_lab(lab)
-    lab.sandbox.down()
+    with start_lab(sandbox) as lab:
+        yield lab
 
 
 def torch_of(lab, host) -> str:

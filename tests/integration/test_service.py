@@ -102,6 +102,17 @@ class ServiceLab:
         for host in hosts or self.sb.hosts:
             self.sh(host, f"ln -sfn {RELEASES}/{release_id}/venv /opt/ml-env.new && mv -T /opt/ml-env.new /opt/ml-env")
 
+    def install(self, release_id: str, mode: str = "ok", hosts=None) -> None:
+        """`make_release` and `activate`: the release as the venv step leaves it for the service step."""
+        self.make_release(release_id, mode, hosts)
+        self.activate(release_id, hosts)
+
+    def serve(self, release_id: str, data: dict | None = None) -> None:
+        """Install a release on every host and converge onto it (`-y`), which must succeed."""
+        self.install(release_id)
+        run = self.converge(data, "-y")
+        assert run.rc == 0, run.log
+
     def converge(self, data: dict | None = None, *args: str, user: str = "root", env: dict | None = None) -> Run:
         inventory = self.sb.write_inventory({**BASE_DATA, **(data or {})}, user=user)
         argv = [str(PYINFRA), *args, "--json", "--config", str(REPO / "config.py"), str(inventory), str(self.deploy)]
@@ -156,8 +167,7 @@ def service_lab(sandbox, tmp_path):
 def test_unit_verifies_service_answers_and_a_second_converge_changes_nothing(service_lab):
     svc = service_lab(1)
     host = svc.sb.hosts[0]
-    svc.make_release("r-000000000001")
-    svc.activate("r-000000000001")
+    svc.install("r-000000000001")
 
     first = svc.converge({}, "-y")
     assert first.rc == 0, first.log
@@ -193,9 +203,7 @@ def test_unit_verifies_service_answers_and_a_second_converge_changes_nothing(ser
 def test_changing_a_flag_restarts_once_and_dry_run_changes_nothing(service_lab):
     svc = service_lab(1)
     host = svc.sb.hosts[0]
-    svc.make_release("r-000000000001")
-    svc.activate("r-000000000001")
-    assert svc.converge({}, "-y").rc == 0
+    svc.serve("r-000000000001")
     pid = svc.main_pid(host)
     unit = svc.sh(host, f"cat {UNIT}")
 
@@ -231,11 +239,8 @@ def test_changing_a_flag_restarts_once_and_dry_run_changes_nothing(service_lab):
 def test_a_release_that_fails_its_health_gate_is_rolled_back(service_lab, mode, reason):
     svc = service_lab(1)
     host = svc.sb.hosts[0]
-    svc.make_release("r-00000000000a")
-    svc.activate("r-00000000000a")
-    assert svc.converge({}, "-y").rc == 0
-    svc.make_release("r-00000000000b", mode=mode)
-    svc.activate("r-00000000000b")  # what the venv step does before the service step, recording it:
+    svc.serve("r-00000000000a")
+    svc.install("r-00000000000b", mode=mode)  # what the venv step does before the service step, recording it:
     history = {"activations": [{"release": "r-00000000000b", "previous": "r-00000000000a", "by": "deploy"}]}
     (host.root_path / "var/lib/servestack/releases.json").write_text(json.dumps(history))
 
@@ -258,8 +263,7 @@ def test_a_release_that_fails_its_health_gate_is_rolled_back(service_lab, mode, 
 def test_the_secret_never_appears_in_the_unit_the_output_the_diff_or_the_journal(service_lab):
     svc = service_lab(1)
     host = svc.sb.hosts[0]
-    svc.make_release("r-000000000001")
-    svc.activate("r-000000000001")
+    svc.install("r-000000000001")
     token = "hf_" + secrets.token_hex(16)
     data = {"service_secret_env": ["HF_TOKEN"]}
 
@@ -357,10 +361,8 @@ def poll_while(svc: ServiceLab, action):
 @integration
 def test_rolling_restart_keeps_two_of_three_hosts_answering(service_lab):
     svc = service_lab(3)
-    svc.make_release("r-000000000001")
-    svc.activate("r-000000000001")
     data = {"service_env": {"FAKE_SGLANG_STARTUP_S": "2"}}
-    assert svc.converge(data, "-y").rc == 0
+    svc.serve("r-000000000001", data)
     pids = {host.name: svc.main_pid(host) for host in svc.sb.hosts}
 
     started = time.monotonic()
@@ -388,16 +390,12 @@ def rollout_order(log: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("budget, broken", [(0, ("h1", "h2")), (1, ("h1",))])
 def test_a_failed_host_stops_the_rollout_beyond_the_failure_budget(service_lab, budget, broken):
     svc = service_lab(3)
-    svc.make_release("r-00000000000a")
-    svc.activate("r-00000000000a")
-    assert svc.converge({}, "-y").rc == 0
+    svc.serve("r-00000000000a")
     pids = {host.name: svc.main_pid(host) for host in svc.sb.hosts}
     bad = [host for host in svc.sb.hosts if host.name in broken]
     good = [host for host in svc.sb.hosts if host.name not in broken]
-    svc.make_release("r-00000000000b", mode="never-healthy", hosts=bad)
-    svc.activate("r-00000000000b", hosts=bad)
-    svc.make_release("r-00000000000c", hosts=good)
-    svc.activate("r-00000000000c", hosts=good)
+    svc.install("r-00000000000b", mode="never-healthy", hosts=bad)
+    svc.install("r-00000000000c", hosts=good)
 
     run = svc.converge({"service_health_timeout_s": 3, "rollout_failure_budget": budget}, "-y")
     assert run.rc != 0
@@ -449,9 +447,7 @@ def reboot(sb: Sandbox, host) -> None:
 def test_a_host_reboot_brings_the_service_back(service_lab):
     svc = service_lab(1)
     host = svc.sb.hosts[0]
-    svc.make_release("r-000000000001")
-    svc.activate("r-000000000001")
-    assert svc.converge({}, "-y").rc == 0
+    svc.serve("r-000000000001")
     boot_id = svc.sh(host, "cat /proc/sys/kernel/random/boot_id")
 
     reboot(svc.sb, host)

@@ -42,7 +42,7 @@ import pytest
 from facts.host import take_lock_command
 from servestack.sandbox.standins.nvidia_smi import Gpu
 from servestack.sandbox.standins.toolkit import write_toolkit_tree
-from toolkit_lab import CACHE, INSTALL, KEPT, start_toolkit_lab
+from toolkit_lab import CACHE, INSTALL, KEPT
 
 pytestmark = pytest.mark.integration
 
@@ -52,12 +52,9 @@ REFUSED_AT_PREPARE = ["h7", "h8", "h9", "h10"]
 
 
 @pytest.fixture(scope="module")
-def tk(sandbox_rootfs, sandbox_name, tmp_path_factory):
-    lab = start_toolkit_lab(sandbox_name("tk"), tmp_path_factory.mktemp("toolkit"), hosts=10, rootfs=sandbox_rootfs)
-    try:
+def tk(toolkit_lab):
+    with toolkit_lab("tk", "toolkit", hosts=10) as lab:
         yield lab
-    finally:
-        lab.stop()
 
 
 def runfile_name(tk) -> str:
@@ -76,13 +73,9 @@ class TestSourcesAndPolicies:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def tk(cls, sandbox_rootfs, sandbox_name, tmp_path_factory):
-        lab = start_toolkit_lab(sandbox_name("tk"), tmp_path_factory.mktemp("sources"), hosts=8,
-                                rootfs=sandbox_rootfs)
-        try:
+    def tk(cls, toolkit_lab):
+        with toolkit_lab("tk", "sources", hosts=8) as lab:
             yield lab
-        finally:
-            lab.stop()
 
     # --- h1, h2: air-gapped ----------------------------------------------------------------------
 
@@ -203,13 +196,9 @@ class TestRefusedEarlyAndInstallerQuirks:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def tk(cls, sandbox_rootfs, sandbox_name, tmp_path_factory):
-        lab = start_toolkit_lab(sandbox_name("tkq"), tmp_path_factory.mktemp("quirks"), hosts=4,
-                                rootfs=sandbox_rootfs)
-        try:
+    def tk(cls, toolkit_lab):
+        with toolkit_lab("tkq", "quirks", hosts=4) as lab:
             yield lab
-        finally:
-            lab.stop()
 
     # --- h1, h2: a bad pre-staged runfile --------------------------------------------------------
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from venv_lab import MANIFEST, RELEASES, ROLLBACK, UPGRADE, VENV, start_lab, stop_lab
+from venv_lab import MANIFEST, RELEASES, ROLLBACK, UPGRADE, VENV, start_lab
 
 pytestmark = pytest.mark.integration
 STATE = "/var/lib/servestack"
@@ -21,10 +21,8 @@ TIMINGS = {}
 
 @pytest.fixture(scope="module")
 def lab(sandbox):
-    lab = start_lab(sandbox)
-    yield lab
-    stop_lab(lab)
-    lab.sandbox.down()
+    with start_lab(sandbox) as lab:
+        yield lab
 
 
 REPORT = ("import importlib.metadata as m, json, sys, torch\n"

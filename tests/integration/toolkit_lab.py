@@ -195,6 +195,12 @@ class ToolkitLab:
         if "serving" not in (self.server.stdout.readline() or ""):
             raise RuntimeError("the toolkit artifact server did not start")
 
+    def __enter__(self) -> ToolkitLab:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.terminate()
@@ -216,7 +222,8 @@ def build_modes(root: Path) -> tuple[dict, dict]:
 
 
 def start_toolkit_lab(name: str, root: Path, hosts: int, rootfs: Path | None = None) -> ToolkitLab:
-    """Boot a lab of `hosts` dressed hosts plus the toolkit scenarios' artifact server."""
+    """Boot a lab of `hosts` dressed hosts plus the toolkit scenarios' artifact server (stopped by
+    `stop()`, or on leaving `with start_toolkit_lab(...) as lab:`)."""
     root.mkdir(parents=True, exist_ok=True)
     runfiles, manifests = build_modes(root)
     lab = Lab(name, rootfs=rootfs)

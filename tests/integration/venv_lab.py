@@ -72,6 +72,14 @@ class VenvLab:
     def sh(self, host, command: str) -> str:
         return self.sandbox.exec(host, command, check=True).stdout
 
+    def __enter__(self) -> VenvLab:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """Stop the artifact server, then take the hosts down."""
+        stop_lab(self)
+        self.sandbox.down()
+
     def counts(self) -> dict:
         """{path: GET requests} the artifact server saw since the last reset."""
         return json.loads(self._control("urlopen(f'{base}/counts').read().decode()"))

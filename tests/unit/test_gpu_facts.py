@@ -21,16 +21,7 @@ from operations.preflight import check_compute_capability, check_driver, check_g
 from servestack.sandbox.standins.nvidia_smi import Gpu as StandinGpu
 from servestack.sandbox.standins.nvidia_smi import render_nvidia_smi
 from servestack.settings import settings_from_data
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "h200-ubuntu2404"
-
-
-def fixture_lines(name: str) -> list[str]:
-    """A fixture's output: without its first line (the command) and last line (`[exit N]`)."""
-    path = FIXTURES / name
-    lines = path.read_text().splitlines()
-    assert lines[0].startswith("$ ") and lines[-1].startswith("[exit ")
-    return lines[1:-1]
+from tests.unit.h200_captures import FIXTURES, fixture_lines
 
 
 def settings(**data):

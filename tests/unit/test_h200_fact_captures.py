@@ -16,10 +16,8 @@ import pytest
 from facts.batch import FactRequest, section_name
 from facts.framing import Section, split
 from facts.verify import VerificationRecord
-from servestack.checks.catalogue import CHECKS
-from servestack.checks.outcome import PASSED
 from servestack.checks.readings import Readings, requests
-from servestack.settings import settings_from_data
+from tests.unit.h200_captures import assert_passes_every_host_level_check, device_settings
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "h200-ubuntu2404" / "verify"
 # The groups of the "verify" batch, in the order run_on_device.sh sent them (one fact each on this
@@ -31,13 +29,6 @@ ALONE = {"gpu": "fact-nvidia-gpus.txt", "toolkit": "fact-cuda-toolkits.txt", "ke
 # run); the indices of the facts checked here.
 PREPARE = {"NvidiaGpus": 0, "CudaToolkits": 3}
 PREPARE_FACTS = 16
-
-
-def device_settings(**data):
-    """The expectations run_on_device.sh's inventory set for that host."""
-    base = {"gpu_compute_capability": "9.0", "gpu_count": 1, "service_tp": 1, "cuda_link_policy": "new",
-            "venv_path": "/opt/torch/.venv", "cuda_existing_toolkit": "accept"}
-    return settings_from_data("@local", {**base, **data})
 
 
 def lines(name: str) -> tuple[str, ...]:
@@ -102,20 +93,10 @@ def test_the_real_facts_parse_to_what_the_host_is():
 
 
 def test_the_real_h200_facts_pass_every_host_level_check():
-    settings, readings = device_settings(), captured_readings()
-    details = {check.name: check.outcome(settings, readings) for check in CHECKS if not check.deployed}
-    assert {name: result.status for name, result in details.items()} == {name: PASSED for name in details}
-    assert details["driver_version"].detail == "driver 580.159.04 >= 580.82.07"
     # the release comes from the meta package (the 2026-11-30 captures predate verify-host.sh asking for it)
-    assert details["version_json"].detail == ("no version.json: toolkit from dpkg package cuda-nvcc-13-0 13.0.88-1, "
-                                              "release cuda-compiler-13-0 13.0.2-1; nvcc 13.0.88 as pinned, accepted "
-                                              "(cuda_existing_toolkit = 'accept')")
-    assert details["cuda_link"].detail == ("/usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-13.0 "
-                                           "(policy 'new')")
-    assert details["cuda_sample"].detail == ('built with `nvcc -gencode arch=compute_90,code=sm_90`; device 0 sm_90 '
-                                             '"NVIDIA H200": PASS bad=0/1048576 launch=no error sync=no error; '
-                                             'devices 1: PASS')
-    assert details["torch_cuda_build"].detail == "torch 2.11.0+cu130, torch.version.cuda == '13.0'"
+    assert_passes_every_host_level_check(captured_readings(), version_json=(
+        "no version.json: toolkit from dpkg package cuda-nvcc-13-0 13.0.88-1, release cuda-compiler-13-0 13.0.2-1; "
+        "nvcc 13.0.88 as pinned, accepted (cuda_existing_toolkit = 'accept')"))
 
 
 def test_the_deploys_real_prepare_batch_reads_the_gpus_and_toolkits_as_alone():

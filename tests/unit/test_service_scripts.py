@@ -181,6 +181,13 @@ class Gate:
     def good_unit(self) -> Path:
         return self.state / "sglang.service.good"
 
+    def run_after_a_healthy_one(self, good_unit: str, unit: str) -> subprocess.CompletedProcess:
+        """Restart onto `unit` where an earlier healthy restart, on release r-a, left `good_unit`."""
+        self.state.mkdir()
+        self.good_unit.write_text(good_unit)
+        self.unit.write_text(unit)
+        return self.run(previous="r-a")
+
     def record(self) -> dict | None:
         path = self.state / "sglang.service.json"
         return parse_record(path.read_text().splitlines()) if path.exists() else None
@@ -203,10 +210,7 @@ def test_a_healthy_restart_is_remembered_as_the_last_good_unit(gate):
 
 
 def test_a_failed_release_is_rolled_back_to_the_last_good_release_and_unit(gate):
-    gate.state.mkdir()
-    gate.good_unit.write_text("ExecStart=release r-a\n")
-    gate.unit.write_text("ExecStart=release r-b BROKEN\n")
-    proc = gate.run(previous="r-a")
+    proc = gate.run_after_a_healthy_one("ExecStart=release r-a\n", "ExecStart=release r-b BROKEN\n")
     assert proc.returncode == 1
     assert "sglang.service on release r-b failed: the server exited before /health answered " \
            "(exit-code, exit status 1)" in proc.stderr
@@ -230,20 +234,14 @@ def test_a_failure_with_no_earlier_healthy_unit_stops_the_service(gate):
 
 
 def test_a_rollback_that_fails_too_exits_2(gate):
-    gate.state.mkdir()
-    gate.good_unit.write_text("BROKEN as well\n")
-    gate.unit.write_text("BROKEN\n")
-    proc = gate.run(previous="r-a")
+    proc = gate.run_after_a_healthy_one("BROKEN as well\n", "BROKEN\n")
     assert proc.returncode == 2
     assert "the rollback to release r-a failed too: the server exited before /health answered" in proc.stderr
 
 
 def test_a_rollback_to_a_release_whose_venv_is_gone_says_so(gate):
-    gate.state.mkdir()
-    gate.good_unit.write_text("ExecStart=release r-a\n")
-    gate.unit.write_text("BROKEN\n")
     (gate.root / "releases" / "r-a" / "venv" / "bin" / "python").unlink()
-    proc = gate.run(previous="r-a")
+    proc = gate.run_after_a_healthy_one("ExecStart=release r-a\n", "BROKEN\n")
     assert proc.returncode == 2
     assert f"the previous release's venv {gate.root}/releases/r-a/venv is gone" in proc.stderr
     assert os.readlink(gate.venv) == str(gate.root / "releases" / "r-b" / "venv")

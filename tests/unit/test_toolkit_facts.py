@@ -23,13 +23,7 @@ from facts.toolkit import (
     parse_tree,
 )
 from servestack.sandbox.standins.toolkit import write_toolkit_tree
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "h200-ubuntu2404"
-
-
-def fixture_lines(name: str) -> list[str]:
-    path = FIXTURES / name
-    return path.read_text().splitlines()[1:-1]
+from tests.unit.h200_captures import fixture_lines
 
 
 def run(command: str) -> list[str]:

@@ -626,9 +626,9 @@ def test_a_release_directory_is_built_by_one_process_at_a_time(host, tmp_path):
     """While one build holds the release's guard (here: a process holding its flock), a second
     build of the same release fails naming the holder, and writes nothing into the directory."""
     plan, params = build_params(host, venv_index.StackIndex(tmp_path / "unused", "http://127.0.0.1:9"), tmp_path)
-    guard = Path(plan.dir + ".build-guard")
+    guard = Path(plan.dir).parent / ".build-guard"
     guard.parent.mkdir(parents=True)
-    guard.write_text("pid 4242 since 20261201T000000Z\n")
+    guard.write_text("release r-other, pid 4242, since 20261201T000000Z\n")
     holder = subprocess.Popen(["flock", str(guard), "sleep", "30"])
     try:
         for _ in range(100):
@@ -640,5 +640,25 @@ def test_a_release_directory_is_built_by_one_process_at_a_time(host, tmp_path):
         holder.kill()
         holder.wait()
     assert code == 1
-    assert f"servestack: release {plan.id} is being built by another process (pid 4242 since 20261201T000000Z)" in err
+    assert (f"servestack: release {plan.id} cannot be built now: another build holds {guard} "
+            "(release r-other, pid 4242, since 20261201T000000Z)") in err
     assert not os.path.exists(plan.dir)
+
+
+def test_a_build_goes_on_when_the_run_that_started_it_is_gone():
+    """The run's connection closed (its controller was killed): progress lines and the result go
+    nowhere, and the build is not stopped by a broken pipe (files/scripts/busy.sh keeps it running)."""
+    code = ("import importlib.util, signal, sys\n"
+            "signal.signal(signal.SIGPIPE, signal.SIG_IGN)\n"
+            f"spec = importlib.util.spec_from_file_location('ml_env', {str(TOOL)!r})\n"
+            "tool = importlib.util.module_from_spec(spec); spec.loader.exec_module(tool)\n"
+            "for n in range(3): tool.progress('step %d' % n)\n"
+            "tool.write_out('{}\\n')\n"
+            "print('went on', file=sys.stderr)\n")
+    read, write = os.pipe()
+    os.close(read)  # nobody reads what the build prints any more
+    try:
+        result = subprocess.run([sys.executable, "-c", code], stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert result.returncode == 0 and result.stderr.strip() == "went on", result.stderr

@@ -28,6 +28,7 @@ from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.sandbox.standins.toolkit import nvcc_version_text
 from servestack.scripts import script_text
 from servestack.settings import settings_from_data
+from tests.unit.h200_captures import assert_passes_every_host_level_check, device_settings
 
 STATE = ("gpu", "toolkit", "kept", "host")
 
@@ -828,25 +829,10 @@ def device_readings(*groups: str) -> Readings:
     return readings
 
 
-def device_settings(**data):
-    base = {"gpu_compute_capability": "9.0", "gpu_count": 1, "service_tp": 1, "cuda_link_policy": "new",
-            "venv_path": "/opt/torch/.venv", "cuda_existing_toolkit": "accept"}
-    return settings_from_data("@local", {**base, **data})
-
-
 def test_the_real_h200_probes_pass_every_host_level_check():
-    settings, readings = device_settings(), device_readings("host", "python", "sample")
-    details = {check.name: check.outcome(settings, readings) for check in CHECKS if not check.deployed}
-    assert {name: result.status for name, result in details.items()} == {name: PASSED for name in details}
-    assert details["driver_version"].detail == "driver 580.159.04 >= 580.82.07"
-    assert details["version_json"].detail == ("no version.json: toolkit from dpkg package cuda-nvcc-13-0 13.0.88-1; "
-                                              "nvcc 13.0.88 as pinned, accepted (cuda_existing_toolkit = 'accept')")
-    assert details["cuda_link"].detail == ("/usr/local/cuda -> /etc/alternatives/cuda -> /usr/local/cuda-13.0 "
-                                           "(policy 'new')")
-    assert details["cuda_sample"].detail == ('built with `nvcc -gencode arch=compute_90,code=sm_90`; device 0 sm_90 '
-                                             '"NVIDIA H200": PASS bad=0/1048576 launch=no error sync=no error; '
-                                             'devices 1: PASS')
-    assert details["torch_cuda_build"].detail == "torch 2.11.0+cu130, torch.version.cuda == '13.0'"
+    assert_passes_every_host_level_check(device_readings("host", "python", "sample"), version_json=(
+        "no version.json: toolkit from dpkg package cuda-nvcc-13-0 13.0.88-1; "
+        "nvcc 13.0.88 as pinned, accepted (cuda_existing_toolkit = 'accept')"))
 
 
 def test_the_real_h200_fails_the_fleets_expectations_where_it_should():
