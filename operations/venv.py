@@ -96,6 +96,13 @@ def _params(settings, **extra) -> dict:
             "state_dir": settings.servestack_state_dir, **extra}
 
 
+def _environment(changes_it: bool = False) -> tuple:
+    """(settings, the MlEnvState read, what keeps an operation from working on it: `env_problems`)."""
+    settings = host_settings(host)
+    state = env_state(settings)
+    return settings, state, env_problems(settings, state, changes_it)
+
+
 def env_problems(settings, state: dict | None, changes_it: bool = False) -> list[str]:
     """Why an operation cannot work on this host's environment: no python to run the tool, or
     (for an operation that changes venv_path) something at venv_path that is not a venv or link."""
@@ -137,9 +144,7 @@ def backup_env(target: str, reason: str = "before change"):
     host, a host without an environment, or an environment the newest snapshot already records
     writes nothing.
     """
-    settings = host_settings(host)
-    state = env_state(settings)
-    problems = env_problems(settings, state)
+    settings, state, problems = _environment()
     if problems:
         yield from refuse(host, problems)
         return
@@ -166,9 +171,7 @@ def build_release(release: ReleasePlan):
     The release id comes from the release's inputs, so a built release is never rebuilt. uv at the
     manifest's version is installed first if the host lacks it.
     """
-    settings = host_settings(host)
-    state = env_state(settings)
-    problems = env_problems(settings, state, changes_it=True)  # refuse before spending time on a build
+    settings, state, problems = _environment(changes_it=True)  # refuse before spending time on a build
     if problems:
         yield from refuse(host, problems)
         return
@@ -202,9 +205,7 @@ def activate_release(release: str, by: str = "deploy"):
     and venv_path becomes a link to it in the same command; its scripts name venv_path, so they
     keep working whenever it is active, and rollback can return to it.
     """
-    settings = host_settings(host)
-    state = env_state(settings)
-    problems = env_problems(settings, state, changes_it=True)
+    settings, state, problems = _environment(changes_it=True)
     if problems:
         yield from refuse(host, problems)
         return
@@ -228,9 +229,7 @@ def prune_releases(active: str):
 
     Never deletes the active release, the previous one, or an adopted hand-made venv.
     """
-    settings = host_settings(host)
-    state = env_state(settings)
-    problems = env_problems(settings, state)
+    settings, state, problems = _environment()
     if problems:
         yield from refuse(host, problems)
         return

@@ -126,44 +126,10 @@ EXPECTED_FAILURE = {"torch_label": "package_version[torch]", "patched_file": "pa
                     "service": "service_active", "cuda_128": "kept_toolkits"}
 
 
-# The upgrade in the order docs/design.md gives (deploy.py's steps), ending with the verification
-# step, plus one test-only operation: sandbox hosts cannot run SGLang, so the new release gets the
-# stand-in server of servestack/sandbox/standins, which `service_launch_module` makes the unit start.
-CONVERGE = """\
-import shlex
-
-from pyinfra import host
-from pyinfra.operations import server
-
-from operations import patches, preflight, service, toolkit, venv, verify
-from servestack.settings import host_settings
-
-STANDIN = shlex.quote(open({standin!r}).read())
-
-
-def host_reads(settings, release=None):
-    return [request for step in (preflight, toolkit, venv, patches, service, verify)
-            for request in step.host_reads(settings, release)]
-
-
-settings = host_settings(host)
-if preflight.preflight(reads=host_reads(settings)):
-    release = venv.plan()
-    if release is not None:
-        preflight.lock(reads=host_reads(settings, release))
-        venv.backup(release)
-        toolkit.cuda_toolkit()
-        venv.build(release)
-        patches.patches(release)
-        server.shell(name="test only: the stand-in SGLang server in the release", commands=[
-            f"d=$({{release.python}} -c 'import sysconfig; print(sysconfig.get_paths()[\\"purelib\\"])') && "
-            f"printf '%s' {{STANDIN}} > $d/fake_sglang_server.py"])
-        venv.activate(release)
-        service.sglang_service(release)
-        verify.verify(release)
-        preflight.release_lock()
-"""
-LAB_DATA = {"service_launch_module": "fake_sglang_server", "service_health_timeout_s": 120}
+# sandbox hosts cannot run SGLang: the lab's host data has the unit start the stand-in server of
+# servestack/sandbox/standins (service_launch_module, on the service's PYTHONPATH), so the real
+# deploy.py converges them
+LAB_DATA = {"service_health_timeout_s": 120}
 
 
 def verify_operation(run) -> dict:
@@ -178,10 +144,8 @@ def converged(lab, tmp_path_factory):
     from pyinfra_run import run_pyinfra
 
     workdir = tmp_path_factory.mktemp("verify")
-    deploy = workdir / "converge.py"
-    deploy.write_text(CONVERGE.format(standin=str(ROOT / "servestack" / "sandbox" / "standins" / "fake_sglang_server.py")))
     the_lab = lab(5, host_data=LAB_DATA)
-    run = run_pyinfra(the_lab, "-y", "--json", target=str(deploy), timeout=1800)
+    run = run_pyinfra(the_lab, "-y", "--json", timeout=1800)
     assert run.returncode == 0, run.output[-6000:]
     hosts = the_lab.hosts
     for host, command in zip(hosts[1:], BREAKS.values()):
