@@ -34,3 +34,20 @@ def run_here(monkeypatch, ours: Callable[[str], bool], run: Callable[[str], subp
         return result.returncode == 0, CommandOutput(lines)
 
     monkeypatch.setattr(FakeConnector, "_lookup_response", lookup)
+
+
+def read_keys(monkeypatch) -> list[str]:
+    """The key of every `reads.fact` the code under test makes from now on (to compare with what a
+    step's `host_reads` lists)."""
+    from facts.batch import FactRequest
+    from servestack import reads
+
+    keys = []
+    real = reads.fact
+
+    def fact(host, cls, **kwargs):
+        keys.append(FactRequest.of(cls, **kwargs).key)
+        return real(host, cls, **kwargs)
+
+    monkeypatch.setattr(reads, "fact", fact)
+    return keys

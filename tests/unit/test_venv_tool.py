@@ -24,12 +24,10 @@ from pyinfra.api.operation import add_op
 from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
 
-from facts.batch import FactRequest
 from facts.venv import MlEnvState
 from operations import venv as venv_step
 from operations.releases import CHECK, HEREDOC, TOOL, encode, release_at, release_plan
 from operations.venv import activate_release, mlenv_fact_arguments
-from servestack import reads
 from servestack.manifest import load_manifest
 from servestack.sandbox.standins.wheels import TORCH_TAG, WheelSpec, build_wheel, standin_wheel
 
@@ -37,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import venv_index  # noqa: E402
 
 from servestack.settings import host_settings, settings_from_data  # noqa: E402
-from tests.unit.fake_host import fake_state, run_here  # noqa: E402
+from tests.unit.fake_host import fake_state, read_keys, run_here  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("ml_env", TOOL)
 ml_env = importlib.util.module_from_spec(spec)
@@ -584,14 +582,7 @@ def test_an_operation_reads_the_host_again_after_another_changed_it(pretend, run
 
 
 def test_host_reads_lists_what_the_operations_read_with_the_same_arguments(pretend, run_on_pretend, monkeypatch):
-    keys = []
-    real = reads.fact
-
-    def fact(host, cls, **kwargs):
-        keys.append(FactRequest.of(cls, **kwargs).key)
-        return real(host, cls, **kwargs)
-
-    monkeypatch.setattr(reads, "fact", fact)
+    keys = read_keys(monkeypatch)
     state = fake_state(pretend.data())  # converged: every operation decides from the listed read
     add_deploy(state, venv_step.backup, release_at(str(pretend.releases_dir), ACTIVE))
     add_deploy(state, venv_step.activate, release_at(str(pretend.releases_dir), ACTIVE))
