@@ -26,7 +26,7 @@ set -u
 
 say() { echo "servestack: $*" >&2; }
 progress() { echo "servestack: $*"; }   # stdout: the deploy streams it to the operator
-human() { numfmt --to=iec --suffix=B "$1" 2>/dev/null || echo "$1 bytes"; }
+human() { numfmt --to=iec-i --suffix=B "$1" 2>/dev/null || echo "$1 bytes"; }
 
 watch_download() {   # PART PID: a line every SS_PROGRESS_EVERY s (default 5) while PID runs: bytes, rate, ETA
     local part=$1 pid=$2 every=${SS_PROGRESS_EVERY:-5} last now rate eta

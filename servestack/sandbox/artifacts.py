@@ -20,7 +20,8 @@ reset) and over HTTP on the same port, for tests in another process:
   GET  /__control/requests           -> JSON list of request records
   GET  /__control/counts[?status=N]  -> JSON {path: number of GET requests [answered N]}
   POST /__control/faults  {fault}    -> add a fault, e.g. {"path": GLOB, "kind": "cut",
-                                        "after": 1000, "times": 1} (fields of `Fault`)
+                                        "after": 1000, "times": 1} (fields of `Fault`; kinds: cut
+                                        after N bytes, corrupt, status, slow: `after` bytes/s)
   POST /__control/reset              -> drop all faults and records
 (`ArtifactControl` is a client for these.) Run: `python -m servestack.sandbox.artifacts --root DIR
 --bind 0.0.0.0 --port 8080 --log FILE`.
@@ -44,7 +45,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 CONTROL_PREFIX = "/__control/"
-FAULT_KINDS = ("cut", "corrupt", "status")
+FAULT_KINDS = ("cut", "corrupt", "status", "slow")
 CHUNK = 64 * 1024
 
 
@@ -251,6 +252,8 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
                 self._record.bytes_sent += len(chunk)
                 self.wfile.write(chunk)
                 offset += len(chunk)
+                if fault and fault.kind == "slow":  # `after` bytes per second: a slow mirror
+                    time.sleep(len(chunk) / max(fault.after, 1))
                 if limit is not None and self._record.bytes_sent >= limit:
                     self.close_connection = True
                     return

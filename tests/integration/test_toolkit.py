@@ -229,6 +229,7 @@ class TestRefusedEarlyAndInstallerQuirks:
     def test_a_stale_installer_log_of_another_user_does_not_break_the_install(self, tk):
         host = tk.host("h3")
         tk.scenario(host, "stale-log")
+        tk.server_call("add_fault", "/stale-log/*", "slow", after=25_000)   # a slow mirror: progress lines
         tk.sh(host, "echo '[INFO]: an earlier install, by another user' > /tmp/cuda-installer.log && "
                     "chown nobody /tmp/cuda-installer.log && chmod 600 /tmp/cuda-installer.log")
         tk.put_file(host, "/root/standin.run", tk.runfiles["normal"].read_bytes())   # as the real one: it crashes
@@ -238,6 +239,9 @@ class TestRefusedEarlyAndInstallerQuirks:
         run = tk.pyinfra(DEPLOY, limit=["h3"])
         assert run.returncode == 0, run.output[-6000:]
         assert "release 13.0, V13.0.88" in tk.sh(host, f"{INSTALL}/bin/nvcc --version")
+        progress = [line for line in run.host_lines("h3") if "servestack: downloaded" in line]
+        assert progress and all(re.search(r"downloaded \S+ of \S+ \(\d+%\), \S+/s, ETA", line) for line in progress)
+        print("", *progress, sep="\n")
         owner, stale = tk.sh(host, "stat -c '%U %n' /tmp/cuda-installer.log.stale-*").split()
         assert owner == "nobody" and "an earlier install" in tk.sh(host, f"cat {stale}")
         assert "STAND-IN CUDA 13.0.1 installer" in tk.sh(host, "cat /tmp/cuda-installer.log")
@@ -393,6 +397,7 @@ def test_corrupted_download_is_refused(tk, faults):
 
 
 def test_cut_download_resumes(tk, faults):
+    assert re.search(r"\[h3\]\s+servestack: resuming the download at \S+ of \S+", faults["run"].output)
     requests = [r for r in tk.requests("cut") if r["method"] == "GET"]
     assert [r["range"] for r in requests] == [None, "bytes=100000-"]
     assert sum(r["bytes_sent"] for r in requests) == tk.runfiles["normal"].stat().st_size
