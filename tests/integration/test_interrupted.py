@@ -85,13 +85,15 @@ def test_ctrl_c_during_the_health_gated_restart_ends_non_zero_and_the_gate_finis
     the_lab = lab(1)
     host = the_lab.hosts[0]
     apply(the_lab)
-    slow = json.dumps({"PYTHONPATH": STANDIN_SERVER_DIR, "FAKE_SGLANG_STARTUP_S": "8"})
+    slow = json.dumps({"PYTHONPATH": STANDIN_SERVER_DIR, "FAKE_SGLANG_STARTUP_S": "15"})
     run = start(the_lab, "--data", f"service_env={slow}")
     wait_for_step(the_lab, host, "health-gated restart")
+    time.sleep(8)   # the gate says how long it has waited, every 5 s
     output = interrupt(run, signal.SIGINT)
     assert run.returncode == 130, output[-4000:]
     assert "[h1] interrupted during 'SGLang service | Health-gated restart of sglang.service'" in output
     assert "the health gate goes on on the host" in output
+    assert re.search(r"\[h1\] servestack: waiting for sglang.service to become ready \(\d+ s of 120 s\)", output)
 
     again = run_pyinfra(the_lab, "-y", "--data", f"service_env={slow}")
     assert again.returncode != 0 and "'health-gated restart of sglang.service'" in again.output, again.output[-4000:]
@@ -107,6 +109,9 @@ def test_the_recap_names_each_host_changed_unchanged_and_refused(lab):
     the_lab = lab(2)
     first = run_pyinfra(the_lab, "-y")
     assert first.returncode == 0, first.output[-4000:]
+    # long steps stream their progress as they go: each uv step of the build as it starts and ends
+    assert re.search(r"^\s*\[h1\] servestack: resolving the lock \(uv pip compile\): started$", first.output, re.M)
+    assert re.search(r"^\s*\[h1\] servestack: install step 1 \(.*\): done after [\d.]+ s$", first.output, re.M)
     lines = [line for line in first.output.splitlines() if line.startswith(("h1 ", "h2 "))]
     assert len(lines) == 2 and all(" changed " in line and "service=restarted" in line for line in lines), lines
     assert all("release=r-" in line for line in lines)
