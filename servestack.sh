@@ -51,7 +51,8 @@ ensure_venv() {
         python3 -m venv .tools
         .tools/bin/pip install -q "uv==$version"
     fi
-    UV_PYTHON_DOWNLOADS=never "$uv" sync -q --locked --python "$(command -v python3)"
+    # the plot extra (matplotlib): `servestack bench --plot`, which the tests draw
+    UV_PYTHON_DOWNLOADS=never "$uv" sync -q --locked --extra plot --python "$(command -v python3)"
 }
 
 ensure_debian_packages

@@ -1,7 +1,10 @@
 """The SGLang service: a pinned CUDA 13 systemd unit, restarted only when needed, health-gated.
 
 What the unit runs is the host's service profile with its host data (servestack/settings.py):
-`launch_arguments` renders its command line, with or without its speculative flags.
+`launch_arguments` renders its command line, with or without its speculative flags. Which of the
+two the unit runs is the speculation policy's (`speculation_enabled`): service_speculation "on"
+with, "off" without, "auto" as the benchmark recorded for what the service runs decided
+(servestack/bench.py; operations/speculation.py measures after this step).
 
 `sglang_service(release)` is given the release this run leaves active (deploy.py: the one the
 venv step plans; rollback.py: the one it re-activates). In `--dry` on a fresh host that release
@@ -47,13 +50,13 @@ from facts.batch import FactRequest
 from facts.service import (PatchsetDigest, PathOwner, Releases, ServiceRecord, UnitState, UnreadableBy,
                            UserAccount, UserEntry, VenvTarget, release_id_of)
 from operations.releases import Release, release_at
-from servestack import reads
+from servestack import bench, reads
 from servestack.errors import ConfigError
 from servestack.hostrun import noop, plan, refuse, refuse_now, while_busy
 from servestack.manifest import PROJECT_ROOT
 from servestack.pyinfra_hooks import inner
 from servestack.scripts import atomic_write_command, script
-from servestack.settings import Settings, host_settings
+from servestack.settings import Settings, host_settings, secret_variable_problems
 
 TEMPLATES = PROJECT_ROOT / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "sglang.service.j2"
@@ -285,10 +288,10 @@ def systemd_quote(value: str) -> str:
     return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def exec_start(settings: Settings, rel: Release) -> str:
+def exec_start(settings: Settings, rel: Release, speculation: bool = True) -> str:
     """The command line, one flag (with its value) per continued line, so a diff shows the flag."""
     lines = [f"{systemd_quote(rel.python)} -m {systemd_quote(settings.service_launch_module)}"]
-    for word in launch_arguments(settings):
+    for word in launch_arguments(settings, speculation):
         if word.startswith("-") or len(lines) == 1:
             lines.append(systemd_quote(word))
         else:
@@ -306,8 +309,10 @@ def _unit_template() -> jinja2.Template:
 
 
 def render_unit(settings: Settings, rel: Release, patchset: str | None,
-                supplementary_groups: tuple[str, ...] = (), with_secrets: bool = False) -> str:
-    """The unit text for `rel` (pure: same inputs, same bytes)."""
+                supplementary_groups: tuple[str, ...] = (), with_secrets: bool = False,
+                speculation: bool = True) -> str:
+    """The unit text for `rel` (pure: same inputs, same bytes); `speculation=False`: without the
+    profile's speculative flags."""
     return _unit_template().render(
         service_name=settings.service_name,
         release_id=rel.id,
@@ -320,7 +325,7 @@ def render_unit(settings: Settings, rel: Release, patchset: str | None,
         environment=[systemd_quote(f"{name}={value}")
                      for name, value in service_environment(settings, rel, patchset)],
         secrets_file=secrets_path(settings) if with_secrets else None,
-        exec_start=exec_start(settings, rel),
+        exec_start=exec_start(settings, rel, speculation),
         start_timeout_s=settings.service_start_timeout_s,
     )
 
@@ -343,15 +348,7 @@ def secrets_content(host_name: str, names: tuple[str, ...], environ=os.environ) 
     """
     if not names:
         return None
-    problems = []
-    for name in names:
-        value = environ.get(name)
-        if value is None:
-            problems.append(f"{name} is not set in the control machine's environment")
-        elif not value:
-            problems.append(f"{name} is set but empty in the control machine's environment")
-        elif "\n" in value or "'" in value or "\x00" in value:
-            problems.append(f"{name} contains a newline or a single quote, which the secrets file cannot hold")
+    problems = secret_variable_problems(names, environ)
     if problems:
         raise ConfigError("\n".join(f"host {host_name}: 'service_secret_env': {problem}" for problem in problems))
     lines = ["# servestack: SGLang service secrets (root only); from the control machine's environment\n"]
@@ -444,9 +441,37 @@ def unit_copy_path(settings: Settings, rel: Release) -> str:
     return f"{rel.dir}/{settings.service_name}"
 
 
-def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[str, ...]) -> str:
+def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[str, ...],
+                 speculation: bool | None = None) -> str:
+    """The unit for `rel`, with or without the speculative flags (None: as the policy says)."""
     patchset = reads.fact(host, PatchsetDigest, release_dir=rel.dir)
-    return render_unit(settings, rel, patchset, supplementary_groups, bool(settings.service_secret_env))
+    if speculation is None:
+        speculation = speculation_enabled(settings, rel)
+    return render_unit(settings, rel, patchset, supplementary_groups, bool(settings.service_secret_env), speculation)
+
+
+def service_identity(settings: Settings, rel: Release) -> dict:
+    """What the service runs, as far as its speed goes: what a speculation decision was measured for
+    (servestack/bench.py `identity_fingerprint`)."""
+    patchset = reads.fact(host, PatchsetDigest, release_dir=rel.dir)
+    return {"release": rel.id, "patchset": patchset or "none", "profile": settings.service_profile,
+            "launch_module": settings.service_launch_module, "arguments": launch_arguments(settings, True),
+            "environment": [list(pair) for pair in service_environment(settings, rel, patchset)]}
+
+
+def speculation_enabled(settings: Settings, rel: Release) -> bool:
+    """Whether the unit for `rel` runs the profile's speculative flags (service_speculation; under
+    "auto", the decision recorded for what the service runs, else the profile as written)."""
+    if not speculates(settings):
+        return False
+    record = reads.fact(host, ServiceRecord, path=bench.record_path(settings))
+    return bench.speculation_wanted(settings.service_speculation, settings.service_speculation_min_gain, record,
+                                    bench.identity_fingerprint(service_identity(settings, rel)))
+
+
+def gpu_groups() -> tuple[str, ...]:
+    """The GPU device groups present on the host: the service user's supplementary groups."""
+    return tuple(group for group in GPU_GROUPS if group in reads.fact(host, Groups))
 
 
 def local_model_paths(settings: Settings) -> list[str]:
@@ -473,6 +498,7 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
         FactRequest.of(UnitState, unit=settings.service_name),
         FactRequest.of(Sha256File, path=unit_path(settings)),
         FactRequest.of(ServiceRecord, path=record_path(settings)),
+        FactRequest.of(ServiceRecord, path=bench.record_path(settings)),
     ]
     if release is not None:
         requests += [
@@ -740,7 +766,7 @@ def sglang_service(release: Release):
     if login:
         refuse_now(host, [login])
         return
-    groups = tuple(group for group in GPU_GROUPS if group in reads.fact(host, Groups))
+    groups = gpu_groups()
     service_user(name=f"Service user {settings.service_user}", settings=settings, groups=groups)
     cache_directory(name="Service JIT cache directory", settings=settings, release=release)
     secrets_file(name="Service secrets file", settings=settings, content=secrets)

@@ -9,6 +9,9 @@
     servestack status INVENTORY [--limit L] [--json]   each host's release, rollback target, last run, service
     servestack verify INVENTORY [--limit L] [--junit FILE]  the verification suite as a per-host table
     servestack backups INVENTORY [--limit L]       list the environment snapshots kept on each host
+    servestack bench INVENTORY [--limit L] [--runs N] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
+                                                    tok/s with and without speculation; the host ends in the
+                                                    configuration its service_speculation policy chooses
     servestack keys [--manifest FILE]               every host-data key, its default and meaning
 
 A broken manifest or inventory ends the command with exit status 2 and one line per problem naming
@@ -70,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     _inventory_parser(commands, "verify", "run the verification suite, per-host table").add_argument(
         "--junit", default=None)
     _inventory_parser(commands, "backups", "list environment snapshots on each host")
+    bench = _inventory_parser(commands, "bench", "measure tok/s with and without speculation (restarts the "
+                                                 "service through its health gate; ends as the policy chooses)")
+    bench.add_argument("--runs", type=int, default=None,
+                       help="requests at concurrency 1, and rounds per further level (default: the manifest's)")
+    bench.add_argument("--concurrency", default=None,
+                       help="levels, e.g. 1,4,16 (1 is always measured; default: the manifest's)")
+    bench.add_argument("--json", default=None, dest="json_path", metavar="FILE", help="write the JSON document")
+    bench.add_argument("--plot", default=None, dest="plot_path", metavar="FILE.png",
+                       help="draw a chart (needs the 'plot' extra: matplotlib)")
     keys = commands.add_parser("keys", help="every host-data key with its default and meaning")
     keys.add_argument("--manifest", default=None,
                       help="the manifest whose defaults to show (default: files/stack.toml)")
@@ -132,6 +144,9 @@ def _fleet_report(args) -> int:
     if args.command == "verify":
         from servestack.verify import verify_main
         return verify_main(args.inventory, args.limit, args.junit)
+    if args.command == "bench":
+        from servestack.bench import bench_main
+        return bench_main(args.inventory, args.limit, args.runs, args.concurrency, args.json_path, args.plot_path)
     from servestack.backups import backups_main
     return backups_main(args.inventory, args.limit)
 

@@ -127,6 +127,19 @@ def optional(check: Callable) -> Callable:
     return check_optional
 
 
+def fraction(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise Invalid("a fraction from 0 to below 1, like 0.02 for 2%")
+    return float(value)
+
+
+def levels(value):
+    if not isinstance(value, (list, tuple)) or not value or not all(_is_int(level) and 1 <= level <= 1024
+                                                                    for level in value):
+        raise Invalid("a non-empty list of concurrency levels from 1 to 1024, like [1, 4, 16]")
+    return tuple(value)
+
+
 def choice(*options: str) -> Callable:
     def check(value):
         if value not in options:
@@ -252,6 +265,17 @@ _PROFILE_KEYS = {  # field: (checker, meaning, required); defaults are the host'
 # A host's value of these is added to its profile's instead of replacing it.
 _PROFILE_MERGES = {"extra_args": lambda profile, host: tuple(profile) + tuple(host),
                    "env": lambda profile, host: {**profile, **host}}
+SPECULATION_POLICIES = ("on", "off", "auto")
+# [service.speculation_benchmark]: the fixed request `servestack bench` and service_speculation = "auto"
+# send (servestack/bench.py); every field required.
+_BENCHMARK_KEYS = {
+    "prompt": text,
+    "max_new_tokens": integer(1, 65536),
+    "runs": integer(1, 1000),
+    "warmup": integer(0, 100),
+    "concurrency": levels,
+    "request_timeout_s": integer(1),
+}
 _VENV_KEYS = {  # defaults are the manifest's [venv] table
     "path": (abs_path, "the stable path of the active environment (a symlink to the active release)"),
     "releases_dir": (abs_path, "where releases (one venv each) are built"),
@@ -321,9 +345,17 @@ def manifest_problems(manifest: Manifest) -> list[str]:
     of the venv_* and service_* keys: a missing key, an unknown key, a value its host-data key would
     refuse or a profile whose values do not fit together."""
     problems = []
-    for section, specs, also in (("venv", _VENV_KEYS, ()), ("service", _SERVICE_KEYS, ("profiles",))):
+    for section, specs, also in (("venv", _VENV_KEYS, ()),
+                                 ("service", _SERVICE_KEYS, ("profiles", "speculation_benchmark"))):
         required = {name: (check, True) for name, (check, _meaning) in specs.items()}
         problems += _table_problems(section, getattr(manifest, section), required, also)
+    benchmark = manifest.service.get("speculation_benchmark")
+    if not isinstance(benchmark, dict):
+        problems.append("key 'service.speculation_benchmark': expected a table of the benchmark's request"
+                        + (" (missing)" if benchmark is None else f", got {benchmark!r}"))
+    else:
+        problems += _table_problems("service.speculation_benchmark", benchmark,
+                                    {name: (check, True) for name, check in _BENCHMARK_KEYS.items()})
     problems += _profiles_problems(manifest)
     return [f"{manifest.path}: {problem}" for problem in problems]
 
@@ -385,6 +417,13 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
             "JIT caches of the service (flashinfer, triton, ...): one '<cuda_version>-<release>' dir each"),
         Key("service_secret_env", env_names, _literal(()),
             "names of control-machine environment variables copied into the 0600 secrets file"),
+        Key("service_speculation", choice(*SPECULATION_POLICIES), _literal("on"),
+            "'on': the unit runs the profile's speculative flags; 'off': without them; 'auto': a deploy that "
+            "changed what the service runs benchmarks both and keeps speculation only where it wins by "
+            "service_speculation_min_gain (README 'Benchmark and speculation policy')"),
+        Key("service_speculation_min_gain", fraction, _literal(0.02),
+            "under service_speculation = 'auto': the least gain of the speculative mean tok/s over the "
+            "baseline's that keeps speculation (0.02: 2%)"),
         Key("verify_reuse", boolean, _literal(True),
             "the deploy's verify step re-runs its heavy checks (torch on the GPUs, the CUDA sample, the "
             "patch check) only when the driver, GPUs, toolkit, release or settings changed; False: every run"),
@@ -717,11 +756,16 @@ def secret_problems(host_name: str, data: dict, environ=None) -> list[str]:
     supply (the secrets file is written from this environment: operations/service.py
     `secrets_content`). `data`: the host's merged host data (its other problems do not matter here;
     a `service_secret_env` that is no list of names is settings_from_data's to refuse)."""
-    environ = os.environ if environ is None else environ
     try:
         names = env_names(data.get("service_secret_env", ()))
     except Invalid:
         return []
+    return [f"host {host_name}: 'service_secret_env': {problem}"
+            for problem in secret_variable_problems(names, os.environ if environ is None else environ)]
+
+
+def secret_variable_problems(names, environ) -> list[str]:
+    """What is wrong with each named control-machine variable as a secret (never its value)."""
     problems = []
     for name in names:
         value = environ.get(name)
@@ -731,7 +775,7 @@ def secret_problems(host_name: str, data: dict, environ=None) -> list[str]:
             problems.append(f"{name} is set but empty in the control machine's environment")
         elif "\n" in value or "'" in value or "\x00" in value:
             problems.append(f"{name} contains a newline or a single quote, which the secrets file cannot hold")
-    return [f"host {host_name}: 'service_secret_env': {problem}" for problem in problems]
+    return problems
 
 
 _CACHE: "WeakKeyDictionary[Any, Settings]" = WeakKeyDictionary()

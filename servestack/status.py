@@ -10,7 +10,10 @@ For each host of the inventory (group data applied, --limit honoured), from what
                      lock, the outcome a run recorded (a health gate that put the service back on
                      the previous release); "not recorded" where the host keeps no record of it
     service          the unit's state and since when (systemd), GET /health asked from the host itself
-    speculation      the speculative-decoding decision: "n/a" until a run records one
+    speculation      the speculative-decoding decision recorded by the last benchmark (a deploy under
+                     service_speculation = "auto", or `servestack bench`): the configuration, both
+                     means, the gain, the accept length, when and for which release, and what the
+                     host's policy picks from those numbers now; "n/a" until a run records one
 
 Hosts are reached as `servestack verify` reaches them (servestack/verify.py: the inventory's SSH
 data, sudo, @local, @chroot) and read in one remote command each, in parallel. A table, or with
@@ -28,7 +31,9 @@ data, sudo, @local, @chroot) and read in one remote command each, in parallel. A
         "verified": {"at", "checks"} | null,
         "service": {"unit", "systemd", "load", "active", "sub", "result", "since", "since_age_s", "url",
                     "health": 200 | null, "health_error"},
-        "speculation": "n/a"}}}
+        "speculation": "n/a" | {"decision", "now", "policy", "min_gain", "speculation_tok_s", "baseline_tok_s",
+                                "gain", "accept_length", "measured_at", "by", "release",
+                                "for_active_release", "simulated"}}}}
 
 Times are UTC, ISO 8601; ages are seconds, taken on the host's own clock. Exit status 0 when every
 host was read, else 1.
@@ -46,12 +51,13 @@ from pyinfra.api import FactBase
 from facts.batch import FactRequest
 from facts.framing import Section
 from facts.host import HostLock, LockState
-from facts.service import parse_properties
+from facts.service import ServiceRecord, parse_properties
 from facts.venv import MlEnvState
 from facts.verify import VerificationRecord
 from operations.releases import NoRollbackTarget, rollback_target
 from operations.venv import mlenv_fact_arguments
 from operations.verify import record_path
+from servestack import bench
 from servestack.checks.parse import report
 from servestack.checks.readings import requests as check_requests
 from servestack.settings import Settings
@@ -90,10 +96,12 @@ class UnitTimes(FactBase):
 
 def status_requests(settings: Settings) -> list[FactRequest]:
     """What `status` reads of a host, in one remote command: the ML environment (releases,
-    history; not its packages), the lock, the verification record, the unit, /health only."""
+    history; not its packages), the lock, the verification record, the speculation record, the
+    unit, /health only."""
     return [FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings)),
             FactRequest.of(HostLock, state_dir=settings.servestack_state_dir),
             FactRequest.of(VerificationRecord, path=record_path(settings)),
+            FactRequest.of(ServiceRecord, path=bench.record_path(settings)),
             FactRequest.of(UnitTimes, unit=settings.service_name),
             *check_requests(settings, "http", generate=False)]
 
@@ -107,11 +115,12 @@ class StatusReadings:
     verified: dict | None = None             # verified.json
     unit: dict = field(default_factory=dict)  # UnitTimes
     http: Section = Section(None, ())        # ServiceHttp, /health only
+    speculation: dict | None = None          # speculation.json
 
     @classmethod
     def of(cls, values: list) -> "StatusReadings":
-        env, lock, verified, unit, http = values
-        return cls(env, lock, verified, unit, http)
+        env, lock, verified, speculation, unit, http = values
+        return cls(env, lock, verified, unit, http, speculation)
 
 
 # --- times ----------------------------------------------------------------------------------
@@ -190,7 +199,9 @@ def host_status(settings: Settings, readings: StatusReadings) -> dict:
     result["last_run"] = last_run(readings.lock, (env or {}).get("history") or [])
     result["verified"] = _verified(readings.verified)
     result["service"] = service_status(settings, readings, now)
-    result["speculation"] = NOT_APPLICABLE
+    result["speculation"] = bench.status_summary(readings.speculation,
+                                                 ((env or {}).get("venv_path") or {}).get("release"),
+                                                 settings.service_speculation, settings.service_speculation_min_gain)
     return result
 
 
@@ -405,7 +416,7 @@ def render_table(statuses: dict[str, dict], console) -> None:
     for name, status in statuses.items():
         if not status["reachable"]:
             table.add_row(Text(name), Text(f"cannot read the host: {status['error']}", style="bold red"),
-                          "", "", "", status["speculation"])
+                          "", "", "", bench.status_cell(status["speculation"]))
             continue
         service = status.get("service") or {}
         healthy = service.get("active") == "active" and service.get("health") == 200
@@ -414,7 +425,7 @@ def render_table(statuses: dict[str, dict], console) -> None:
             cells[0] = f"{cells[0]}\n{status['error']}"
         table.add_row(Text(name), *[Text(cell) for cell in cells],
                       Text(service_cell(status), style="green" if healthy else "bold red"),
-                      Text(status["speculation"]))
+                      Text(bench.status_cell(status["speculation"])))
     console.print(table)
     unread = [name for name, status in statuses.items() if not status["reachable"]]
     if unread:

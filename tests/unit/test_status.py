@@ -180,8 +180,9 @@ def test_ages_read_short(seconds, text):
 
 def test_status_reads_a_host_in_one_command_asking_health_only(settings):
     wanted = status.status_requests(settings)
-    assert [request.name for request in wanted] == ["MlEnvState", "HostLock", "VerificationRecord", "UnitTimes",
-                                                    "ServiceHttp"]
+    assert [request.name for request in wanted] == ["MlEnvState", "HostLock", "VerificationRecord", "ServiceRecord",
+                                                    "UnitTimes", "ServiceHttp"]
+    assert dict(wanted[3].kwargs)["path"] == "/var/lib/servestack/speculation.json"
     assert len(batches(wanted)) == 1
     assert dict(wanted[0].kwargs)["packages"] is False
     assert dict(wanted[-1].kwargs)["request"] == ""         # GET /health, never a real /generate

@@ -14,8 +14,28 @@ a test can make one release broken without touching the unit:
   FAKE_SGLANG_MODE / <venv>/fake-sglang-mode
       ok (default) | never-healthy (GET /health answers 503 forever) |
       fail-requests (healthy, but POST /generate answers 500) | crash (exits 1 at start)
+  FAKE_SGLANG_MODE_BASELINE / <venv>/fake-sglang-mode-baseline
+      the mode when started WITHOUT speculative flags (default: the mode above), so a test can make
+      the baseline configuration of `servestack bench` fail while the profile as written works
   FAKE_SGLANG_STARTUP_S / <venv>/fake-sglang-startup-s
       seconds before /health answers 200 (default 0.5), like a model load
+  FAKE_SGLANG_THROUGHPUT / <venv>/fake-sglang-throughput
+      the simulated decoding speed (`Throughput.parse`): a preset, `win` (default: speculation faster at
+      every load), `lose` (speculation slower), `crossover=N` (faster below N concurrent requests,
+      as fast at N, slower above) or `reference` (the reference upgrade's 92.6 / 96.1 tok/s), then optional
+      `key=value` overrides, comma separated: baseline=TOK_S,speculation=TOK_S,accept=LEN,ttft=S,
+      load=F,jitter=F,seed=N (e.g. `lose,baseline=90,speculation=70`)
+
+Throughput simulation. POST /generate takes the time the simulated server would: a time to first
+token, then each token (baseline) or each accepted run of tokens (speculation: `accept` tokens per
+step on average) at a per-request rate that falls with the number of requests in flight,
+rate / (1 + load_factor * (in flight - 1)); speculation's load factor is steeper, so that its
+advantage ends at the crossover. `"stream": true` streams server-sent events as SGLang does
+(`data: {...}` with the text and meta_info so far, then `data: [DONE]`); `ignore_eos` decodes
+exactly max_new_tokens tokens (otherwise at most 3, the stand-in's short answer). /server_info says
+`"servestack_standin": true` and the simulation's numbers, and reports the running average accept
+length in internal_states[0].avg_spec_accept_length like SGLang (only with speculation). Every
+number it produces is SIMULATED.
 """
 
 from __future__ import annotations
@@ -23,8 +43,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -76,6 +99,111 @@ def knob(name: str, filename: str, default: str) -> str:
     return path.read_text().strip() if path.is_file() else default
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """The simulated server's speed: single-request decode rates (tok/s) without and with
+    speculation, the mean accept length, the time to first token, how each rate falls with load,
+    and the run-to-run jitter (a fraction, from a seeded generator: the same sequence every start of a
+    configuration)."""
+
+    baseline: float = 90.0
+    speculation: float = 110.0
+    accept: float = 2.6
+    ttft: float = 0.05
+    load: float = 0.04
+    crossover: int | None = None
+    jitter: float = 0.04
+    seed: int = 17
+
+    PRESETS = {"win": {}, "lose": {"speculation": 72.0, "accept": 1.4},
+               "reference": {"baseline": 92.6, "speculation": 96.1, "accept": 2.1, "jitter": 0.08}}
+    FIELDS = {"baseline": float, "speculation": float, "accept": float, "ttft": float, "load": float,
+              "crossover": int, "jitter": float, "seed": int}
+
+    @classmethod
+    def parse(cls, text: str) -> "Throughput":
+        """`win`, `lose`, `crossover=8`, `reference`, then `key=value` overrides (comma separated)."""
+        values: dict = {}
+        for index, item in enumerate(part.strip() for part in text.replace(" ", ",").split(",")):
+            if not item:
+                continue
+            name, _, value = item.partition("=")
+            if not value and index == 0 and name in cls.PRESETS:
+                values.update(cls.PRESETS[name])
+            elif value and name in cls.FIELDS:
+                values[name] = cls.FIELDS[name](value)
+            else:
+                raise ValueError(f"unknown throughput setting {item!r}; expected a preset "
+                                 f"({', '.join(cls.PRESETS)}) then key=value of {', '.join(cls.FIELDS)}")
+        made = cls(**values)
+        if made.crossover is not None and made.crossover < 2:
+            raise ValueError("crossover must be 2 or more concurrent requests")
+        if min(made.baseline, made.speculation, made.accept) <= 0:
+            raise ValueError("rates and the accept length must be positive")
+        return made
+
+    def load_factor(self, speculative: bool) -> float:
+        """How fast the per-request rate falls per extra request in flight. With a crossover at N,
+        speculation's factor makes both rates equal at N in flight."""
+        if not speculative or self.crossover is None:
+            return self.load
+        n = self.crossover
+        return ((self.speculation / self.baseline) * (1 + self.load * (n - 1)) - 1) / (n - 1)
+
+    def rate(self, speculative: bool, in_flight: int) -> float:
+        """A request's decode rate (tok/s) with `in_flight` requests decoding at once."""
+        single = self.speculation if speculative else self.baseline
+        return single / (1 + self.load_factor(speculative) * (max(1, in_flight) - 1))
+
+    def describe(self, speculative: bool) -> dict:
+        return {"preset_rates_tok_s": {"baseline": self.baseline, "speculation": self.speculation},
+                "this_server": "speculation" if speculative else "baseline", "accept_length": self.accept,
+                "ttft_s": self.ttft, "load_factor": self.load_factor(speculative), "crossover": self.crossover,
+                "jitter": self.jitter}
+
+
+class Decoder:
+    """The simulated decoding of one server: requests in flight, the accept length's running
+    average (accepted tokens over verify steps since start, as SGLang counts it)."""
+
+    def __init__(self, throughput: Throughput, speculative: bool):
+        self.throughput, self.speculative = throughput, speculative
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.accepted = 0
+        self.steps = 0
+        self.random = random.Random(throughput.seed + speculative)   # each configuration its own jitter
+
+    def average_accept_length(self) -> float | None:
+        with self.lock:
+            return self.accepted / self.steps if self.speculative and self.steps else None
+
+    def chunks(self, tokens: int):
+        """Yield (seconds to wait, tokens in the chunk) for one request of `tokens` output tokens."""
+        with self.lock:
+            self.in_flight += 1
+            factor = 1 + self.throughput.jitter * (2 * self.random.random() - 1)
+        try:
+            yield self.throughput.ttft, 1
+            done, credit = 1, 0.0
+            while done < tokens:
+                if self.speculative:
+                    credit += self.throughput.accept
+                    step = max(1, min(int(credit), tokens - done))
+                    credit -= step
+                else:
+                    step = 1
+                with self.lock:
+                    rate = self.throughput.rate(self.speculative, self.in_flight) * factor
+                    self.accepted += step
+                    self.steps += 1
+                done += step
+                yield step / rate, step
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
 class Handler(BaseHTTPRequestHandler):
     server: "FakeServer"
 
@@ -86,8 +214,14 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self.reply(503, {"status": "starting" if self.server.mode == "ok" else self.server.mode})
         elif self.path in ("/server_info", "/get_server_info"):
+            decoder = self.server.decoder
+            state = {"avg_spec_accept_length": decoder.average_accept_length()} \
+                if decoder.average_accept_length() is not None else {}
             self.reply(200, {"version": "stand-in", "pid": os.getpid(), "mode": self.server.mode,
+                             "servestack_standin": True,
+                             "servestack_simulation": decoder.throughput.describe(decoder.speculative),
                              "server_args": vars(self.server.args), "argv": self.server.argv,
+                             "internal_states": [state],
                              "environment": {name: value for name, value in sorted(os.environ.items())
                                              if name.startswith("SGLANG_")}})
         else:
@@ -108,8 +242,33 @@ class Handler(BaseHTTPRequestHandler):
         elif self.server.mode == "fail-requests":
             self.reply(500, {"error": "stand-in told to fail requests"})
         else:
-            tokens = int(request.get("sampling_params", {}).get("max_new_tokens", 8))
-            self.reply(200, {"text": " Paris (stand-in)", "meta_info": {"completion_tokens": min(tokens, 3)}})
+            self.generate(request)
+
+    def generate(self, request: dict) -> None:
+        sampling = request.get("sampling_params") or {}
+        wanted = int(sampling.get("max_new_tokens", 8))
+        tokens = max(1, wanted if sampling.get("ignore_eos") else min(wanted, 3))
+        prompt_tokens = len(str(request.get("text", "")).split())
+        started, done, steps = time.monotonic(), 0, 0
+        if request.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+        for wait, step in self.server.decoder.chunks(tokens):
+            time.sleep(wait)
+            done, steps = done + step, steps + 1
+            if request.get("stream"):
+                self.event(_output(done, tokens, prompt_tokens, steps, started, self.server.decoder))
+        answer = _output(done, tokens, prompt_tokens, steps, started, self.server.decoder)
+        if request.get("stream"):
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        else:
+            self.reply(200, answer)
+
+    def event(self, body: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        self.wfile.flush()
 
     def reply(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -123,12 +282,27 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+def _output(done: int, tokens: int, prompt_tokens: int, steps: int, started: float, decoder: Decoder) -> dict:
+    """The answer so far, shaped like SGLang's (text, meta_info with its own token counts)."""
+    meta = {"prompt_tokens": prompt_tokens, "completion_tokens": done}
+    if done >= tokens:
+        meta["e2e_latency"] = time.monotonic() - started
+        meta["finish_reason"] = {"type": "length", "length": tokens}
+    if decoder.speculative and steps:
+        meta["spec_accept_length"] = done / steps
+    text = " Paris (stand-in)" if tokens <= 3 else " tok" * done
+    return {"text": text, "meta_info": meta}
+
+
 class FakeServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024   # listen backlog: a benchmark round opens its connections at once (SGLang's: 2048)
 
-    def __init__(self, args: argparse.Namespace, mode: str, startup_s: float, argv: list[str] = ()):
+    def __init__(self, args: argparse.Namespace, mode: str, startup_s: float, argv: list[str] = (),
+                 throughput: Throughput | None = None):
         self.args, self.mode, self.argv = args, mode, list(argv)
         self.ready_at = time.monotonic() + startup_s
+        self.decoder = Decoder(throughput or Throughput(), bool(args.speculative_algorithm))
         super().__init__((args.host, args.port), Handler)
 
     def healthy(self) -> bool:
@@ -139,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     mode = knob("FAKE_SGLANG_MODE", "fake-sglang-mode", "ok")
+    if not args.speculative_algorithm:
+        mode = knob("FAKE_SGLANG_MODE_BASELINE", "fake-sglang-mode-baseline", mode)
+    try:
+        throughput = Throughput.parse(knob("FAKE_SGLANG_THROUGHPUT", "fake-sglang-throughput", "win"))
+    except ValueError as error:
+        print(f"fake_sglang_server: {error}", file=sys.stderr)
+        return 2
     if mode not in MODES:
         print(f"fake_sglang_server: unknown mode {mode!r}; expected one of {', '.join(MODES)}", file=sys.stderr)
         return 2
@@ -146,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         print("fake_sglang_server: told to crash at start", file=sys.stderr, flush=True)
         return 1
     startup_s = float(knob("FAKE_SGLANG_STARTUP_S", "fake-sglang-startup-s", "0.5"))
-    server = FakeServer(args, mode, startup_s, argv)
+    server = FakeServer(args, mode, startup_s, argv, throughput)
     print(f"fake sglang (stand-in) listening on {args.host}:{args.port}, pid {os.getpid()}, mode {mode}, "
-          f"python {sys.executable}", flush=True)
+          f"python {sys.executable}, simulated throughput {throughput}", flush=True)
     server.serve_forever()
     return 0
 

@@ -1,0 +1,261 @@
+"""Step `speculation`: the speculation policy, and the benchmark that decides it (issue 17).
+
+Host data `service_speculation` says whether the unit runs the profile's speculative flags: "on"
+(default, as the reference deployments), "off", or "auto": measured. operations/service.py renders
+the unit accordingly (`service.speculation_enabled`); this step runs after it (deploy.py) and, under
+"auto", benchmarks the host when no measurement is recorded for what the service runs now (its
+release, patch set, profile, command line, environment: servestack/bench.py `identity_fingerprint`),
+so a converge that changed none of those never benchmarks again. A dry run says for each host
+whether it would benchmark and why.
+
+The benchmark (`benchmark`: one FunctionCommand at execute, hosts a `rollout_batch` at a time):
+  1. baseline: the unit without the speculative flags is written (files/scripts/atomic-write.sh)
+     and started through the deploy's own health gate (files/scripts/sglang-health-gate.sh, with
+     `service.gate_environment`, under busy.sh as the service step's restart runs it); then
+     files/scripts/bench-client.py measures it from the host itself, over loopback;
+  2. speculation: the same with the profile's speculative flags;
+  3. the policy decides from both means (servestack/bench.py `decide`); unless it chose the
+     configuration running now, that configuration's unit is started through the gate again; the
+     unit is copied into the release (the unit that release runs with);
+  4. the measurement and the decision are recorded in `<servestack_state_dir>/speculation.json`
+     (bookkeeping, `hostrun.write_record`). The run says the decision with both numbers.
+A configuration that does not become healthy is rolled back by the gate to the last unit that
+passed it (the unit the service step started, or the baseline just measured), the host fails with
+the gate's reason, and nothing is recorded: the service keeps serving and the next deploy measures
+again. Each configuration is measured on a freshly started server, since the accept length SGLang
+reports is a running average since start.
+
+`bench_now` is `servestack bench` on a host (servestack/bench.py runs it through pyinfra's CLI):
+preflight, the host's lock, the benchmark whatever the policy, the lock's release.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pyinfra import host, logger
+from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
+from pyinfra.facts.server import Groups
+
+from facts.batch import FactRequest
+from facts.service import PatchsetDigest, ServiceRecord, UnitState
+from operations import preflight, service, venv
+from operations.releases import Release
+from servestack import bench, reads
+from servestack.bench import BASELINE, CONFIGURATIONS, SPECULATION
+from servestack.hostrun import is_executing, noop, refuse, refuse_now, run_id, run_remote, while_busy, write_record
+from servestack.scripts import atomic_write_command, script_command
+from servestack.settings import Settings, host_settings
+
+# The operation's name: the run's recap and its interruption notice treat it as the restarts it makes
+# (servestack/runreport.py matches "health-gated restart").
+BENCHMARK = "Health-gated restarts: speculation benchmark"
+
+
+def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
+    """What `speculation` and `bench_now` read of a host (deploy.py reads them all in one command):
+    the decision's record, the health gate's record and the unit (on demand), the GPU groups (when
+    benchmarking), what the service runs (the release's patch set)."""
+    requests = [FactRequest.of(ServiceRecord, path=bench.record_path(settings)),
+                FactRequest.of(ServiceRecord, path=service.record_path(settings)),
+                FactRequest.of(UnitState, unit=settings.service_name),
+                FactRequest.of(Groups)]
+    if release is not None:
+        requests.append(FactRequest.of(PatchsetDigest, release_dir=release.dir))
+    return requests
+
+
+@dataclass(frozen=True)
+class Job:
+    """One host's benchmark, as decided while the operation ran: what to start, how to measure."""
+
+    settings: Settings
+    release: Release
+    units: dict            # configuration -> the unit's text
+    secrets_sha: str | None
+    identity: dict         # what the service runs (service.service_identity)
+    params: dict           # the client's input: the request (bench.method) and the server's URL
+    by: str                # "deploy" or "bench"
+    request: str | None    # `servestack bench`'s id for this measurement
+
+
+def _on_demand_problem(settings: Settings, release: Release) -> str | None:
+    """Why `servestack bench` cannot measure the host: the service must run as a deploy left it."""
+    record = reads.fact(host, ServiceRecord, path=service.record_path(settings))
+    active = reads.fact(host, UnitState, unit=settings.service_name).get("ActiveState", "unknown")
+    if not record or not record.get("fingerprint") or record.get("release") != release.id:
+        return (f"{settings.service_name} has no healthy start recorded on the active release {release.id}: "
+                "deploy first (pyinfra INVENTORY deploy.py); nothing was changed")
+    if active not in service.RUNNING_STATES:
+        return f"{settings.service_name} is {active}, not running: deploy first; nothing was changed"
+    return None
+
+
+@operation()
+def benchmark(settings: Settings, release: Release, on_demand: dict | None = None):
+    """
+    Benchmark the service with and without speculation when the policy needs it; leave the host in
+    the configuration the policy chooses and record the measurement and the decision.
+
+    + settings: the host's validated settings
+    + release: the release the service runs (deploy.py: the one this run leaves active)
+    + on_demand: ``servestack bench``'s options (``runs``, ``concurrency``, ``request``): measure now,
+      whatever the policy and the record say (None: the deploy's step, measuring only under "auto"
+      when nothing is recorded for what the service runs)
+    """
+    if not service.speculates(settings):
+        noop(host, f"service profile {settings.service_profile} runs no speculative decoding "
+                   "(speculative_algorithm NONE): nothing to measure")
+        return
+    identity = service.service_identity(settings, release)
+    record = reads.fact(host, ServiceRecord, path=bench.record_path(settings))
+    if on_demand is None:
+        needed, why = bench.benchmark_reason(settings.service_speculation, settings.service_speculation_min_gain,
+                                             record, identity)
+        if not needed:
+            noop(host, why)
+            return
+    else:
+        problem = _on_demand_problem(settings, release)
+        if problem:
+            yield from refuse(host, [problem])
+            return
+        why = "servestack bench asked for it"
+    options = on_demand or {}
+    groups = service.gpu_groups()
+    secrets = service.secrets_content(host.name, settings.service_secret_env)
+    params = {**bench.method(settings, options.get("runs"), options.get("concurrency")),
+              "url": service.check_url(settings)}
+    job = Job(settings=settings, release=release,
+              units={config: service.desired_unit(settings, release, groups, speculation=config == SPECULATION)
+                     for config in CONFIGURATIONS},
+              secrets_sha=service.sha256_text(secrets) if secrets else None, identity=identity, params=params,
+              by="deploy" if on_demand is None else "bench", request=options.get("request"))
+    verb = "benchmarking" if is_executing(host) else "will benchmark"
+    host.log(f"{verb} {settings.service_name} with and without speculation ({params['runs']} runs of "
+             f"{params['max_new_tokens']} tokens, concurrency {', '.join(map(str, params['concurrency']))}; "
+             f"each configuration restarted through the health gate): {why}", logger.info)
+    yield FunctionCommand(_run_benchmark, (job,), {})
+
+
+def _failed(state, host, problems: list[str]) -> bool:
+    """Fail the host now (at execute, inside a FunctionCommand), the way `hostrun.refuse` does."""
+    for command in refuse(host, problems):
+        return command.execute(state, host, {})
+    return False
+
+
+def _start(state, host, job: Job, config: str) -> bool:
+    """Write `config`'s unit and start it through the health gate (which rolls back on failure)."""
+    settings, text = job.settings, job.units[config]
+    ok, _, stderr = run_remote(host, atomic_write_command(service.unit_path(settings), text, "644"))
+    if not ok:
+        return _failed(state, host, [f"could not write the {config} unit {service.unit_path(settings)}: "
+                                      f"{' '.join(stderr)}; {settings.service_name} was not restarted"])
+    environment = service.gate_environment(settings, job.release, service.fingerprint(text, job.secrets_sha),
+                                           {"release": job.release.id})
+    environment["SS_PREVIOUS_LABEL"] = "the last unit that passed the health gate"
+    step = f"health-gated start of the {config} configuration of {settings.service_name}"
+    gate = while_busy(host, settings.servestack_state_dir, step, service.gate_command(environment))
+    return gate.execute(state, host, {})
+
+
+def _measure(state, host, job: Job, config: str) -> dict | None:
+    """files/scripts/bench-client.py against the server running `config`, on the host; its result."""
+    settings = job.settings
+    command = script_command("busy.sh", settings.servestack_state_dir, run_id(state),
+                             f"benchmark of the {config} configuration", "bash", "-c",
+                             bench.client_command(settings.venv_python, job.params))
+    ok, stdout, stderr = run_remote(host, StringCommand(command))
+    results = [line for line in stdout if line.startswith("{")]
+    if not ok or not results:
+        said = [line for line in stderr if line.startswith("servestack:")] or stderr[-1:] or ["no output"]
+        _failed(state, host, [f"the benchmark of the {config} configuration failed: {said[0]}; "
+                               f"{settings.service_name} keeps serving the {config} configuration "
+                               "(the last unit that passed the health gate); nothing was recorded"])
+        return None
+    return json.loads(results[-1])
+
+
+def _summary(config: str, result: dict) -> str:
+    speed, accept = result["output_tok_s"], result.get("accept_length")
+    return (f"{config}: {speed['mean']:.1f} tok/s mean ({speed['min']:.1f}-{speed['max']:.1f}) over "
+            f"{len(result['runs'])} runs, decode {result['decode_tok_s']['mean']:.1f} tok/s"
+            + ("" if accept is None else f", accept length {accept:.2f}")
+            + (" [SIMULATED by the stand-in]" if (result.get("server") or {}).get("standin") else ""))
+
+
+def _run_benchmark(state, host, job: Job) -> bool:
+    settings = job.settings
+    results, running = {}, None
+    for config in (BASELINE, SPECULATION):
+        if not _start(state, host, job, config):
+            return False
+        running = config
+        result = _measure(state, host, job, config)
+        if result is None:
+            return False
+        results[config] = result
+        host.log(_summary(config, result))
+    decision = bench.decide(settings.service_speculation, settings.service_speculation_min_gain,
+                            results[SPECULATION]["output_tok_s"]["mean"], results[BASELINE]["output_tok_s"]["mean"])
+    host.log_styled(decision.why, bold=True, log_func=logger.info)
+    if decision.configuration != running and not _start(state, host, job, decision.configuration):
+        return False
+    copy_path = service.unit_copy_path(settings, job.release)
+    ok, _, stderr = run_remote(host, atomic_write_command(copy_path, job.units[decision.configuration], "644"))
+    if not ok:
+        host.log(f"could not copy the unit into {copy_path}: {' '.join(stderr)}", logger.warning)
+    record = bench.make_record(job.identity, settings.service_speculation, settings.service_speculation_min_gain,
+                               results, decision, by=job.by, run_id=run_id(state), request=job.request,
+                               method_=job.params)
+    write_record(host, atomic_write_command(bench.record_path(settings), json.dumps(record, indent=1), "644"),
+                 "the speculation record")
+    return True
+
+
+@deploy("Speculative decoding")
+def speculation(release: Release):
+    """
+    The speculation policy after the service step: under "auto", benchmark when what the service
+    runs changed since the last measurement, and keep speculation only where it wins.
+
+    + release: the release the service runs (deploy.py: the one this run leaves active)
+    """
+    settings = host_settings(host)
+    benchmark(name=BENCHMARK, settings=settings, release=release, _parallel=settings.rollout_batch)
+
+
+@deploy("Speculation benchmark on demand")
+def measure(release: Release, on_demand: dict):
+    """
+    ``servestack bench``'s measurement of a host that a deploy left serving.
+
+    + release: the active release (the one the service runs)
+    + on_demand: ``runs``, ``concurrency``, ``request`` (see ``benchmark``)
+    """
+    settings = host_settings(host)
+    benchmark(name=BENCHMARK, settings=settings, release=release, on_demand=on_demand, _parallel=settings.rollout_batch)
+
+
+def _steps_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
+    return [request for step in (preflight, venv, service) for request in step.host_reads(settings, release)] \
+        + host_reads(settings, release)
+
+
+def bench_now(runs: int | None = None, concurrency: list[int] | None = None, request: str | None = None):
+    """`servestack bench` on each host, run by pyinfra's CLI (servestack/bench.py `pyinfra_argv`):
+    preflight and the host's lock as in deploy.py, then both configurations measured and the host
+    left in the one its policy chooses, the record written; nothing else changes."""
+    settings = host_settings(host)
+    if not preflight.preflight(reads=_steps_reads(settings)):
+        return
+    release = venv.active_release(settings)
+    if release is None:
+        refuse_now(host, [f"{settings.venv_path} is not a servestack release: deploy first "
+                          "(pyinfra INVENTORY deploy.py); nothing was changed"])
+        return
+    preflight.lock(reads=_steps_reads(settings, release))
+    measure(release, {"runs": runs, "concurrency": concurrency, "request": request})
+    preflight.release_lock()

@@ -1,0 +1,492 @@
+"""`servestack bench` and the speculation policy's decisions: the controller side (issue 17).
+
+    servestack bench INVENTORY [--limit L] [--runs 10] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
+
+What is measured, per host: the manifest's fixed request (`[service.speculation_benchmark]`: prompt,
+output length, temperature 0) sent `runs` times at concurrency 1 by files/scripts/bench-client.py,
+which runs on the host itself over loopback, then `runs` rounds at each further concurrency level;
+per run the output tokens/s (the whole request) and the decode tokens/s (after the first token);
+the accept length from /server_info. Two configurations: the host's service profile with its
+speculative flags ("speculation") and the same without them ("baseline"), each started through the
+deploy's own health gate, so each is measured on a freshly started server (operations/speculation.py
+does the host side). The host ends in the configuration its policy chooses:
+
+    service_speculation = "on"    speculation          "off"   baseline
+    service_speculation = "auto"  speculation only if its mean beats the baseline's by at least
+                                  service_speculation_min_gain (default 0.02: 2%)
+
+The measurement and the decision are recorded on the host (`<servestack_state_dir>/speculation.json`,
+`make_record`), with a fingerprint of what the service runs (release, patch set, profile, command
+line, environment: `identity_fingerprint`): under "auto" a deploy benchmarks only when that
+fingerprint changed, and otherwise decides from the recorded numbers (`speculation_wanted`).
+
+`servestack bench` runs `operations.speculation.bench_now` through pyinfra's CLI (the deploy's lock,
+preflight, health gate and recap), then reads each host's record and prints a table per host, and
+writes the JSON document (`--json`) and a chart (`--plot`, needs the `plot` extra: matplotlib).
+Numbers from the sandbox's stand-in server are SIMULATED, and every output says so.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shlex
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from servestack.errors import ConfigError
+from servestack.manifest import PROJECT_ROOT
+
+CLIENT = PROJECT_ROOT / "files" / "scripts" / "bench-client.py"
+HEREDOC = "__SERVESTACK_BENCH_CLIENT__"
+RECORD_NAME = "speculation.json"
+SCHEMA = 1
+SPECULATION, BASELINE = "speculation", "baseline"
+CONFIGURATIONS = (SPECULATION, BASELINE)
+ON_DEMAND = "operations.speculation.bench_now"   # what `servestack bench` runs with pyinfra
+SIMULATED_NOTICE = ("SIMULATED: these numbers come from the sandbox's stand-in server (its /server_info says "
+                    "servestack_standin), not from SGLang on GPUs")
+NOT_APPLICABLE = "n/a"
+
+
+def record_path(settings) -> str:
+    """The host's record of the last measurement and decision."""
+    return f"{settings.servestack_state_dir}/{RECORD_NAME}"
+
+
+# --- the request and the client ------------------------------------------------------------------
+
+def method(settings, runs: int | None = None, concurrency=None) -> dict:
+    """The benchmark's request: the manifest's [service.speculation_benchmark], with `servestack
+    bench`'s --runs and --concurrency; concurrency 1 always (the reference's measure)."""
+    table = settings.manifest.service["speculation_benchmark"]
+    levels = sorted({1, *(concurrency or table["concurrency"])})
+    return {"prompt": table["prompt"], "max_new_tokens": table["max_new_tokens"], "runs": runs or table["runs"],
+            "warmup": table["warmup"], "concurrency": levels, "request_timeout_s": table["request_timeout_s"]}
+
+
+def parse_levels(text: str | None) -> list[int] | None:
+    """--concurrency 1,4,16 -> [1, 4, 16]; ConfigError for anything else."""
+    if text is None:
+        return None
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(level < 1 or level > 1024 for level in levels):
+        raise ConfigError(f"--concurrency {text!r}: expected comma-separated levels from 1 to 1024, like 1,4,16")
+    return sorted(set(levels))
+
+
+def client_command(python: str, params: dict) -> str:
+    """`python -I -S - PARAMS` with files/scripts/bench-client.py on stdin (nothing uploaded; stdlib only)."""
+    script = CLIENT.read_text()
+    if HEREDOC in script:
+        raise AssertionError(f"{CLIENT} must not contain {HEREDOC}")
+    encoded = base64.b64encode(json.dumps(params, sort_keys=True).encode()).decode()
+    return f"{shlex.quote(python)} -I -S - {encoded} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
+
+
+# --- what the service runs -----------------------------------------------------------------------
+
+def identity_fingerprint(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+_IDENTITY_WORDS = {"release": "the release", "patchset": "the patch set", "profile": "the service profile",
+                   "launch_module": "the launch module", "arguments": "the server's command line",
+                   "environment": "the service environment"}
+
+
+def what_changed(recorded: dict | None, identity: dict) -> str:
+    """In words, what differs between the identity a record was measured for and `identity`."""
+    if not recorded:
+        return "what the service runs is not in the record"
+    changed = []
+    for key, words in _IDENTITY_WORDS.items():
+        before, now = recorded.get(key), identity.get(key)
+        if before == now:
+            continue
+        changed.append(f"{words} {before} -> {now}" if key in ("release", "profile") else words)
+    return ", ".join(changed) or "what the service runs"
+
+
+# --- decisions -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Decision:
+    """What a host serves: "speculation" or "baseline", the measured gain (None: not measured), why."""
+
+    configuration: str
+    gain: float | None
+    why: str
+
+    @property
+    def speculation(self) -> bool:
+        return self.configuration == SPECULATION
+
+
+def gain_of(speculation_mean: float, baseline_mean: float) -> float | None:
+    """How much faster speculation is: 0.038 for +3.8%."""
+    if baseline_mean <= 0:
+        return None
+    return speculation_mean / baseline_mean - 1
+
+
+def _numbers(speculation_mean: float, baseline_mean: float, gain: float | None) -> str:
+    shown = "n/a" if gain is None else f"{gain:+.1%}"
+    return f"{speculation_mean:.1f} tok/s with speculation vs {baseline_mean:.1f} without ({shown})"
+
+
+def decide(policy: str, min_gain: float, speculation_mean: float, baseline_mean: float) -> Decision:
+    """The configuration `policy` picks given both configurations' mean output tok/s at concurrency 1."""
+    gain = gain_of(speculation_mean, baseline_mean)
+    numbers = _numbers(speculation_mean, baseline_mean, gain)
+    if policy == "on":
+        return Decision(SPECULATION, gain, f"speculation on (service_speculation = 'on'): {numbers}")
+    if policy == "off":
+        return Decision(BASELINE, gain, f"speculation off (service_speculation = 'off'): {numbers}")
+    wins = speculation_mean > 0 if gain is None else gain >= min_gain
+    if wins:
+        return Decision(SPECULATION, gain, f"speculation kept: {numbers}, at least the {min_gain:+.1%} "
+                                           "service_speculation_min_gain")
+    return Decision(BASELINE, gain, f"speculation off: {numbers}, less than the {min_gain:+.1%} "
+                                    "service_speculation_min_gain: the host serves without speculation")
+
+
+def means(record: dict | None) -> tuple[float, float] | None:
+    """(speculation, baseline) mean output tok/s at concurrency 1 of a record, None when it has none."""
+    try:
+        found = tuple(float(record["configurations"][name]["output_tok_s"]["mean"]) for name in CONFIGURATIONS)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return found  # type: ignore[return-value]
+
+
+def record_decision(policy: str, min_gain: float, record: dict | None) -> Decision | None:
+    found = means(record)
+    return decide(policy, min_gain, *found) if found else None
+
+
+def record_is_current(record: dict | None, fingerprint: str) -> bool:
+    """The record measured what the service runs now (and holds both configurations' numbers)."""
+    return bool(record) and record.get("schema") == SCHEMA and record.get("fingerprint") == fingerprint \
+        and means(record) is not None
+
+
+def speculation_wanted(policy: str, min_gain: float, record: dict | None, fingerprint: str) -> bool:
+    """Whether the unit runs the profile's speculative flags: "on" yes, "off" no; "auto" as the
+    recorded numbers decide when they were measured for what the service runs, else yes (the profile
+    as written, until the deploy's benchmark decides)."""
+    if policy != "auto":
+        return policy == "on"
+    if not record_is_current(record, fingerprint):
+        return True
+    return record_decision(policy, min_gain, record).speculation
+
+
+def benchmark_reason(policy: str, min_gain: float, record: dict | None, identity: dict) -> tuple[bool, str]:
+    """Whether a deploy benchmarks this host now, and why (or why not)."""
+    if policy != "auto":
+        served = "with" if policy == "on" else "without"
+        return False, (f"service_speculation = '{policy}': the unit runs {served} the profile's speculative flags; "
+                       "no benchmark (servestack bench measures on demand)")
+    fingerprint = identity_fingerprint(identity)
+    if not record:
+        return True, "no speculation decision is recorded on the host yet"
+    if record_is_current(record, fingerprint):
+        return False, (f"measured for what the service runs ({_measured(record)}): "
+                       + record_decision(policy, min_gain, record).why)
+    if record.get("fingerprint") == fingerprint:
+        return True, "the record of the last benchmark holds no usable numbers"
+    return True, f"what the service runs changed since the last benchmark: {what_changed(record.get('identity'), identity)}"
+
+
+def _measured(record: dict) -> str:
+    return f"by {record.get('by', '?')} at {record.get('measured_at', '?')}"
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def make_record(identity: dict, policy: str, min_gain: float, results: dict, decision: Decision, *,
+                by: str, run_id: str, request: str | None, method_: dict) -> dict:
+    """What the host keeps (`record_path`): the measurement of both configurations and the decision."""
+    simulated = any((results[name].get("server") or {}).get("standin") for name in CONFIGURATIONS)
+    return {"schema": SCHEMA, "fingerprint": identity_fingerprint(identity), "identity": identity,
+            "policy": policy, "min_gain": min_gain, "decision": decision.configuration, "gain": decision.gain,
+            "why": decision.why, "by": by, "run_id": run_id, "request": request, "measured_at": utc_now(),
+            "simulated": simulated, "method": {key: value for key, value in method_.items() if key != "url"},
+            "configurations": {name: results[name] for name in CONFIGURATIONS}}
+
+
+def crossover(record: dict) -> int | None:
+    """The first concurrency level where speculation no longer beats the baseline (None: never)."""
+    try:
+        levels = {name: {level["concurrency"]: level["tok_s"]["mean"] for level in
+                         record["configurations"][name]["concurrency"]} for name in CONFIGURATIONS}
+    except (KeyError, TypeError):
+        return None
+    for level in sorted(set(levels[SPECULATION]) & set(levels[BASELINE])):
+        if levels[SPECULATION][level] <= levels[BASELINE][level]:
+            return level
+    return None
+
+
+# --- servestack status's column ------------------------------------------------------------------
+
+def status_summary(record: dict | None, active_release: str | None, policy: str | None = None,
+                   min_gain: float | None = None) -> dict | str:
+    """The speculation column of `servestack status`: "n/a" until a run records a measurement. With the
+    host's `policy` and `min_gain`: also what they choose from the recorded numbers now ("now")."""
+    if not record or means(record) is None:
+        return NOT_APPLICABLE
+    speculation, baseline = means(record)
+    measured_for = (record.get("identity") or {}).get("release")
+    now = decide(policy, min_gain, speculation, baseline).configuration if policy is not None else None
+    return {"decision": record.get("decision"), "now": now, "policy": record.get("policy"), "min_gain": record.get("min_gain"),
+            "speculation_tok_s": speculation, "baseline_tok_s": baseline, "gain": record.get("gain"),
+            "accept_length": (record["configurations"][SPECULATION] or {}).get("accept_length"),
+            "measured_at": record.get("measured_at"), "by": record.get("by"), "release": measured_for,
+            "for_active_release": measured_for == active_release, "simulated": bool(record.get("simulated"))}
+
+
+def status_cell(summary: dict | str) -> str:
+    if not isinstance(summary, dict):
+        return str(summary)
+    gain = "n/a" if summary["gain"] is None else f"{summary['gain']:+.1%}"
+    lines = [f"{summary['decision']} ({summary['policy']})",
+             f"{summary['speculation_tok_s']:.1f} vs {summary['baseline_tok_s']:.1f} tok/s ({gain})"]
+    if summary.get("accept_length") is not None:
+        lines.append(f"accept length {summary['accept_length']:.2f}")
+    if summary.get("now") not in (None, summary["decision"]):
+        lines.append(f"now {summary['now']}: the host's service_speculation settings changed since")
+    lines.append(f"measured {summary['measured_at']} by {summary['by']}")
+    if not summary["for_active_release"]:
+        lines.append(f"for release {summary['release']}, not the active one")
+    if summary["simulated"]:
+        lines.append("SIMULATED (stand-in)")
+    return "\n".join(lines)
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+def host_report(record: dict | None, request: str | None, failure: str | None = None) -> dict:
+    """One host's part of the JSON document: its record when this run measured it."""
+    if failure:
+        return {"measured": False, "error": failure}
+    if record is None or means(record) is None:
+        return {"measured": False, "error": "no measurement is recorded on the host (see the run's output above)"}
+    if request is not None and record.get("request") != request:
+        return {"measured": False, "error": "this run recorded no measurement (see its output above); the last "
+                                            f"one is from {record.get('measured_at')} ({record.get('by')})"}
+    identity = record.get("identity") or {}
+    return {"measured": True, "error": None, "profile": identity.get("profile"), "release": identity.get("release"),
+            "policy": record.get("policy"), "min_gain": record.get("min_gain"), "decision": record.get("decision"),
+            "why": record.get("why"), "gain": record.get("gain"), "simulated": bool(record.get("simulated")),
+            "crossover": crossover(record), "measured_at": record.get("measured_at"), "method": record.get("method"),
+            "configurations": record.get("configurations")}
+
+
+def document(reports: dict[str, dict], request: str | None = None) -> dict:
+    simulated = any(report.get("simulated") for report in reports.values())
+    return {"simulated": simulated, "notice": SIMULATED_NOTICE if simulated else None, "request": request,
+            "hosts": reports}
+
+
+def render_json(reports: dict[str, dict], request: str | None = None) -> str:
+    return json.dumps(document(reports, request), indent=2)
+
+
+def _range(stats: dict | None, digits: int = 1) -> str:
+    return "-" if not stats else f"{stats['min']:.{digits}f}-{stats['max']:.{digits}f}"
+
+
+def _mean(stats: dict | None, digits: int = 1) -> str:
+    return "-" if not stats else f"{stats['mean']:.{digits}f}"
+
+
+def host_tables(name: str, report: dict) -> list:
+    """The rich tables of one measured host: the configurations at concurrency 1, then per level."""
+    from rich.table import Table
+
+    configurations = report["configurations"]
+    title = f"{name}: {report['profile']} on {report['release']}"
+    if report["simulated"]:
+        title += " (SIMULATED by the sandbox stand-in)"
+    main = Table(title=title, title_justify="left", min_width=len(title))
+    for column in ("configuration", "runs", "mean tok/s", "min-max", "decode tok/s", "TTFT s", "accept length",
+                   "gain over baseline"):
+        main.add_column(column, justify="left" if column == "configuration" else "right")
+    baseline = configurations[BASELINE]["output_tok_s"]["mean"]
+    for config in CONFIGURATIONS:
+        result = configurations[config]
+        speed = result["output_tok_s"]
+        gain = gain_of(speed["mean"], baseline) if config == SPECULATION else None
+        accept = result.get("accept_length")
+        main.add_row(config, str(len(result["runs"])), _mean(speed), _range(speed), _mean(result["decode_tok_s"]),
+                     _mean(result["ttft_s"], 3), "-" if accept is None else f"{accept:.2f}",
+                     "-" if gain is None else f"{gain:+.1%}")
+    tables = [main]
+    levels = [level["concurrency"] for level in configurations[SPECULATION]["concurrency"]]
+    if len(levels) > 1:
+        heading = f"{name}: aggregate output tok/s by concurrency (mean of the rounds)"
+        load = Table(title=heading, title_justify="left", min_width=len(heading))
+        for column in ("concurrency", "speculation", "baseline", "gain"):
+            load.add_column(column, justify="right")
+        by_level = {config: {level["concurrency"]: level["tok_s"] for level in configurations[config]["concurrency"]}
+                    for config in CONFIGURATIONS}
+        for level in levels:
+            spec, base = by_level[SPECULATION].get(level), by_level[BASELINE].get(level)
+            gain = gain_of(spec["mean"], base["mean"]) if spec and base else None
+            load.add_row(str(level), _mean(spec), _mean(base), "-" if gain is None else f"{gain:+.1%}")
+        tables.append(load)
+    return tables
+
+
+def crossover_text(level: int | None, levels: list[int]) -> str:
+    if level is None:
+        return f"speculation pays at every concurrency measured ({', '.join(map(str, levels))})"
+    if level == min(levels):
+        return f"speculation does not pay at any concurrency measured ({', '.join(map(str, levels))})"
+    return f"speculation stops paying at concurrency {level}"
+
+
+def render_tables(reports: dict[str, dict], console) -> None:
+    from rich.text import Text
+
+    for name, report in reports.items():
+        if not report["measured"]:
+            console.print(Text(f"{name}: not measured: {report['error']}", style="bold red"))
+            continue
+        for table in host_tables(name, report):
+            console.print(table)
+        console.print(Text(f"{name}: {report['why']}"))
+        levels = [entry["concurrency"] for entry in report["configurations"][SPECULATION]["concurrency"]]
+        if len(levels) > 1:
+            console.print(Text(f"{name}: {crossover_text(report['crossover'], levels)}"))
+    if any(report.get("simulated") for report in reports.values()):
+        console.print(Text(SIMULATED_NOTICE, style="bold yellow"))
+
+
+def plot(reports: dict[str, dict], path: str | Path) -> Path:
+    """A PNG: per measured host, output tok/s per run at concurrency 1 and aggregate tok/s per
+    concurrency, speculation vs baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    measured = {name: report for name, report in reports.items() if report["measured"]}
+    if not measured:
+        raise ConfigError("--plot: no host was measured, nothing to plot")
+    colours = {SPECULATION: "tab:blue", BASELINE: "tab:orange"}
+    figure, axes = plt.subplots(len(measured), 2, figsize=(12, 4.2 * len(measured)), squeeze=False)
+    for row, (name, report) in enumerate(measured.items()):
+        per_run, per_level = axes[row]
+        for config in CONFIGURATIONS:
+            result = report["configurations"][config]
+            speeds = [run["output_tok_s"] for run in result["runs"]]
+            runs = range(1, len(speeds) + 1)
+            accept = result.get("accept_length")
+            label = f"{config} (mean {result['output_tok_s']['mean']:.1f}" + (
+                f", accept length {accept:.2f})" if accept is not None else ")")
+            per_run.plot(runs, speeds, marker="o", color=colours[config], label=label)
+            per_run.axhline(result["output_tok_s"]["mean"], color=colours[config], linestyle="--", linewidth=1)
+            levels = result["concurrency"]
+            per_level.plot([level["concurrency"] for level in levels], [level["tok_s"]["mean"] for level in levels],
+                           marker="o", color=colours[config], label=config)
+        by_level = {config: {level["concurrency"]: level["tok_s"]["mean"]
+                             for level in report["configurations"][config]["concurrency"]} for config in CONFIGURATIONS}
+        for level, spec in by_level[SPECULATION].items():
+            base = by_level[BASELINE].get(level)
+            level_gain = gain_of(spec, base) if base else None
+            if level_gain is not None:
+                per_level.annotate(f"{level_gain:+.1%}", (level, max(spec, base)), textcoords="offset points",
+                                   xytext=(0, 8), ha="center", fontsize=9,
+                                   color=colours[SPECULATION] if level_gain > 0 else colours[BASELINE])
+        gain = report["gain"]
+        per_run.set_title(f"{name}: concurrency 1, output tok/s per run"
+                          + ("" if gain is None else f" (speculation {gain:+.1%})"))
+        per_run.set_xlabel("run")
+        per_run.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        per_run.set_ylabel("output tokens/s")
+        per_run.set_ylim(0, 1.2 * max(run["output_tok_s"] for config in CONFIGURATIONS
+                                      for run in report["configurations"][config]["runs"]))
+        per_run.legend(loc="lower right")
+        per_run.grid(alpha=0.3)
+        per_level.set_title(f"{name}: aggregate output tok/s by concurrency (speculation's gain)")
+        per_level.set_xlabel("concurrent requests")
+        per_level.set_ylabel("output tokens/s (all requests)")
+        per_level.set_xscale("log", base=2)
+        per_level.set_xticks([level["concurrency"] for level in report["configurations"][SPECULATION]["concurrency"]])
+        per_level.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        if report["crossover"] and report["crossover"] > 1:
+            per_level.axvline(report["crossover"], color="grey", linestyle=":", label=f"crossover {report['crossover']}")
+        per_level.set_ylim(0, 1.15 * max(max(by_level[SPECULATION].values()), max(by_level[BASELINE].values())))
+        per_level.legend(loc="upper left")
+        per_level.grid(alpha=0.3)
+    simulated = any(report["simulated"] for report in measured.values())
+    figure.suptitle("servestack bench: speculation vs baseline"
+                    + (" - SIMULATED by the sandbox stand-in, not GPU measurements" if simulated else ""),
+                    color="darkred" if simulated else "black")
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+# --- servestack bench ----------------------------------------------------------------------------
+
+def plotting_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def pyinfra_argv(inventory: str, limit: str | None, options: dict) -> list[str]:
+    from servestack.verify import split_patterns
+
+    limits = [word for pattern in split_patterns(limit) for word in ("--limit", pattern)]
+    return [str(Path(sys.executable).parent / "pyinfra"), "-y", *limits, str(Path(inventory).resolve()),
+            ON_DEMAND, json.dumps([[], options])]
+
+
+def bench_main(inventory: str, limit: str | None = None, runs: int | None = None, concurrency: str | None = None,
+               json_path: str | None = None, plot_path: str | None = None) -> int:
+    """Benchmark every host (pyinfra, `operations.speculation.bench_now`), then report from the hosts'
+    records; 0 when every host was measured."""
+    from facts.batch import FactRequest
+    from facts.service import ServiceRecord
+    from servestack.verify import Unreachable, read_all, report_console, targets_from_inventory
+
+    levels = parse_levels(concurrency)
+    if runs is not None and runs < 1:
+        raise ConfigError(f"--runs {runs}: expected at least 1")
+    if plot_path and not plotting_available():
+        raise ConfigError("--plot needs matplotlib, the 'plot' extra: uv sync --extra plot "
+                          "(or pip install 'servestack[plot]')")
+    targets = targets_from_inventory(inventory, limit, action="benchmark", local=False)
+    request = f"bench-{uuid.uuid4().hex[:12]}"
+    argv = pyinfra_argv(inventory, limit, {"runs": runs, "concurrency": levels, "request": request})
+    status = subprocess.run(argv, cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL, stdout=sys.stderr).returncode
+    found = read_all(targets, lambda target: [FactRequest.of(ServiceRecord, path=record_path(target.settings))])
+    reports = {}
+    for target in targets:
+        value = found[target.name]
+        reports[target.name] = (host_report(None, request, f"cannot read its record: {value}")
+                                if isinstance(value, Unreachable) else host_report(value[0], request))
+    render_tables(reports, report_console())
+    if json_path:
+        Path(json_path).write_text(render_json(reports, request) + "\n")
+    if plot_path and any(report["measured"] for report in reports.values()):
+        plot(reports, plot_path)
+    return 0 if status == 0 and all(report["measured"] for report in reports.values()) else 1
