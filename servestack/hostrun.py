@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from weakref import WeakKeyDictionary
 
@@ -29,7 +30,7 @@ from pyinfra.context import ContextObject
 from servestack.scripts import script_command
 
 _RUNS: "WeakKeyDictionary" = WeakKeyDictionary()     # State -> {"id", "started"}
-_REFUSED: "WeakKeyDictionary" = WeakKeyDictionary()  # State -> {host name: the problems it was refused for}
+_REASONS: "WeakKeyDictionary" = WeakKeyDictionary()  # State -> {host name: [Reason]}: why it was refused or failed
 _NOTES: "WeakKeyDictionary" = WeakKeyDictionary()    # State -> {host name: {what: value}} for the recap
 _LOCKED: "WeakKeyDictionary" = WeakKeyDictionary()   # State -> {host name: release command}
 
@@ -83,9 +84,21 @@ def noop(host, text: str) -> None:
         host.log(f"no change: {text}")
 
 
-def refusals(state) -> dict[str, list[str]]:
+@dataclass(frozen=True)
+class Reason:
+    """Why a host stopped: `refused` (servestack would not change it) or `failed` (a step failed)."""
+
+    kind: str
+    text: str
+
+
+def reasons(state) -> dict[str, list[Reason]]:
     """The hosts this run refused or failed with a message, and why (servestack/runreport.py)."""
-    return _REFUSED.get(state, {})
+    return _REASONS.get(state, {})
+
+
+def _remember(state, host, kind: str, texts) -> None:
+    _REASONS.setdefault(state, {}).setdefault(host.name, []).extend(Reason(kind, text) for text in texts)
 
 
 def note(host, what: str, value) -> None:
@@ -98,7 +111,7 @@ def notes(state) -> dict[str, dict]:
 
 
 def _log_problems(host, problems: list[str]) -> None:
-    _REFUSED.setdefault(host.state, {}).setdefault(host.name, []).extend(problems)
+    _remember(host.state, host, "refused", problems)
     for problem in problems:
         host.log_styled(f"refused: {problem}", fg="red", log_func=logger.error)
 
@@ -172,7 +185,7 @@ def _run_long_step(state, host, step: str, command: str) -> bool:
         lines = [line.strip() for line in output.stderr_lines if line.strip()]
         ours = [line for line in lines if line.startswith("servestack:")]
         said = (ours or lines[-1:] or ["no error output"])[0]
-        _REFUSED.setdefault(state, {}).setdefault(host.name, []).append(f"{step} failed: {said}")
+        _remember(state, host, "failed", [f"{step} failed: {said}"])
     return ok
 
 

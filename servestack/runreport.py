@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from pyinfra.api.state import BaseStateCallback
 
-from servestack.hostrun import notes, refusals
+from servestack.hostrun import notes, reasons
 
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -108,18 +108,18 @@ def interruption_lines(report: RunReport) -> list[str]:
 def host_recap(report: RunReport, host) -> dict:
     """changed / unchanged / failed / refused, with counts, the release left active, the service."""
     state = report.state
-    reasons = refusals(state).get(host.name)
+    said = reasons(state).get(host.name, [])
     ops = [state.get_op_data_for_host(host, op_hash).operation_meta for op_hash in state.ops.get(host, {})]
     complete = [meta for meta in ops if meta.is_complete()]
     changed = sum(1 for meta in complete if meta.did_change())
     failed = host in state.failed_hosts
     noted = notes(state).get(host.name, {})
-    if failed:
-        status = "failed" if changed else "refused"   # refused: the host failed with nothing changed
+    if failed:   # refused: servestack would not touch it, and nothing changed; failed: a step failed
+        status = "refused" if not changed and said and said[0].kind == "refused" else "failed"
     else:
         status = "changed" if changed else "unchanged"
     failures = report.progress(host).failed
-    reason = (reasons or [None])[0] or (failure_reason(state, host, failures[0]) if failures else None)
+    reason = said[0].text if said else (failure_reason(state, host, failures[0]) if failures else None)
     restarted = any("Health-gated restart" in name and meta.did_change()
                     for op_hash, meta in zip(state.ops.get(host, {}), ops) if meta.is_complete()
                     for name in state.get_op_meta(op_hash).names)
@@ -171,7 +171,7 @@ def _on_signal(report: RunReport, signum):
 
 def _at_exit(report: RunReport, as_json: bool):
     def show():
-        if not report.state.is_executing and not refusals(report.state):
+        if not report.state.is_executing and not reasons(report.state):
             return  # a dry run, or nothing ran: pyinfra's own output says it all
         rows = recap(report)
         _write(recap_lines(rows) if not as_json else [json.dumps({"servestack_recap": rows}, sort_keys=True)])

@@ -26,7 +26,7 @@ from operations import service, speculation
 from servestack import bench, reads, status
 from servestack.cli import build_parser
 from servestack.errors import ConfigError
-from servestack.hostrun import refusals
+from servestack.hostrun import Reason, reasons
 from servestack.sandbox.standins import fake_sglang_server as standin
 from servestack.settings import settings_from_data
 from servestack.verify import report_console
@@ -559,10 +559,10 @@ def test_a_configuration_that_fails_its_gate_leaves_the_last_good_unit_and_recor
     assert gate.runs == ["baseline"] and server.started == ["speculation"]   # still serving what it served
     assert not (tmp_path / "speculation.json").exists()
     assert not any("bench-client.py" in command for command in target.connector.executed_commands)
-    assert refusals(state)["@fake/gpu1"] == [
+    assert reasons(state)["@fake/gpu1"] == [Reason("failed",
         "health-gated start of the baseline configuration of sglang.service failed: servestack: sglang.service on "
         f"release {RELEASE_ID} failed: no HTTP 200 from GET /health within 20 s; rolled back to the last unit that "
-        "passed the health gate, which is healthy"]
+        "passed the health gate, which is healthy")]
 
 
 def test_a_failed_measurement_fails_the_host_and_records_nothing(monkeypatch, tmp_path, local_server, caplog):
