@@ -68,3 +68,14 @@ def test_the_fingerprint_sees_files_and_services_not_systemds_own_mounts(lab):
     finally:
         the_lab.exec(host, "systemctl stop fingerprint-test", check=True)
     assert the_lab.fingerprint(host) == before
+
+
+def test_every_bad_value_of_an_inventory_is_one_line_before_connecting(lab):
+    the_lab = lab(1)
+    run = run_pyinfra(the_lab, "-y", "--data", "service_tp=3", "--data", "service_port=-1",
+                      "--data", "rollout_batch=0", "--data", "servce_port=1")
+    assert run.returncode != 0 and "Connecting to hosts" not in run.output
+    lines = [line for line in run.output.splitlines() if line.startswith("host h1: ")]
+    assert sorted(line.split("'")[1] for line in lines) == ["rollout_batch", "servce_port", "service_port",
+                                                            "service_tp"], lines
+    assert any(line.startswith("host h1: 'servce_port'") and "did you mean 'service_port'?" in line for line in lines)
