@@ -126,6 +126,10 @@ def refuse_now(host, problems: list[str]) -> None:
         if not pyinfra.is_cli:
             raise
         raise SystemExit(1) from None   # no host left: the CLI would show "No hosts remaining!" as an error
+    except EOFError:   # without -y pyinfra asks whether to go on without this host; stdin is closed
+        logger.error("servestack: pyinfra asks whether to go on without the refused host, but standard input is "
+                     "closed: stopping here (nothing was changed); run with -y to go on with the other hosts")
+        raise SystemExit(1) from None
 
 
 def _fail(state, host, problems):

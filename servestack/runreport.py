@@ -14,15 +14,19 @@ Then:
   standard error (standard output stays pyinfra's JSON).
 - A run that would ask for confirmation with standard input closed (or /dev/null) is refused before
   connecting, with a message (`prompt_problem`), instead of pyinfra's EOFError traceback.
+- pyinfra's "[host] Ready: deploy.py" line is left out for a host that was just refused (a filter on
+  pyinfra's logger): the refusal is that host's last word.
 
-Everything here uses pyinfra's public callbacks and Python's own hooks (signal, atexit).
+Everything here uses pyinfra's public callbacks and logger and Python's own hooks (signal, atexit).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
+import re
 import signal
 import stat
 import sys
@@ -33,6 +37,7 @@ from pyinfra.api.state import BaseStateCallback
 from servestack.hostrun import notes, reasons
 
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 # What the next run does about a step interrupted on a host (by words of its operation's name).
 LONG_STEPS = {
@@ -169,9 +174,9 @@ def _on_signal(report: RunReport, signum):
     return handler
 
 
-def _at_exit(report: RunReport, as_json: bool):
+def _at_exit(report: RunReport, as_json: bool, dry: bool):
     def show():
-        if not report.state.is_executing and not reasons(report.state):
+        if dry or (not report.state.is_executing and not reasons(report.state)):
             return  # a dry run, or nothing ran: pyinfra's own output says it all
         rows = recap(report)
         _write(recap_lines(rows) if not as_json else [json.dumps({"servestack_recap": rows}, sort_keys=True)])
@@ -197,6 +202,20 @@ def prompt_problem(argv: list[str], environ=os.environ, fd: int = 0) -> str | No
     return None
 
 
+class NoReadyAfterRefusal(logging.Filter):
+    """Drops pyinfra's "[host] Ready: <deploy file>" line for a host this run refused."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = ANSI.sub("", record.getMessage())
+        if "Ready:" not in message:
+            return True
+        return not any(f"[{name}]" in message for name in reasons(self.state))
+
+
 def install(state, argv: list[str] | None = None) -> RunReport:
     """Follow this run's hosts: report interruptions, and the recap at the end."""
     argv = sys.argv if argv is None else argv
@@ -204,5 +223,6 @@ def install(state, argv: list[str] | None = None) -> RunReport:
     state.add_callback_handler(report)
     for signum in EXIT_STATUS:
         signal.signal(signum, _on_signal(report, signum))
-    atexit.register(_at_exit(report, "--json" in argv))
+    atexit.register(_at_exit(report, "--json" in argv, "--dry" in argv))
+    logging.getLogger("pyinfra").addFilter(NoReadyAfterRefusal(state))
     return report

@@ -171,3 +171,18 @@ def test_sigterm_during_the_runfile_install_then_an_immediate_rerun_leaves_the_t
     nvcc = the_lab.exec(host, "/usr/local/cuda-13.0/bin/nvcc --version", check=True).stdout
     assert "release 13.0" in nvcc
     assert apply(the_lab).totals["success"] == 0
+
+
+def test_a_dry_run_that_refuses_one_host_with_stdin_closed_ends_with_a_message_and_no_ready_line(lab):
+    """Without -y pyinfra asks whether to go on without a refused host; with stdin closed it stops
+    with a message (no EOFError traceback). Under -y the refused host gets no "Ready:" line."""
+    the_lab = lab(2)
+    held = ('mkdir -p /var/lib/servestack && printf \'{"run_id": "other", "pid": null, "boot_id": "%s"}\\n\' '
+            '"$(cat /proc/sys/kernel/random/boot_id)" > /var/lib/servestack/lock')
+    the_lab.exec(the_lab.hosts[0], held, check=True)
+    asked = run_pyinfra(the_lab, "--dry")
+    assert asked.returncode != 0 and "Traceback" not in asked.output and "EOFError" not in asked.output
+    assert "standard input is closed: stopping here (nothing was changed)" in asked.output, asked.output[-3000:]
+    dry = run_pyinfra(the_lab, "--dry", "-y")
+    assert "[h1] refused: another servestack run holds" in dry.output
+    assert not re.search(r"\[h1\]\s+Ready:", dry.output) and re.search(r"\[h2\]\s+Ready:", dry.output), dry.output

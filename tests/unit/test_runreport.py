@@ -45,3 +45,21 @@ def test_a_run_that_would_ask_with_stdin_closed_is_refused_with_a_message(tmp_pa
                              "print(runreport.prompt_problem(['pyinfra', 'i', 'd'], {}, 0) is not None)"],
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, close_fds=True)
     assert closed.stdout.strip() == "True", closed.stderr
+
+
+def test_pyinfra_says_no_ready_line_for_a_host_it_just_refused():
+    import logging
+
+    from servestack import hostrun
+    from tests.unit.fake_host import fake_state
+
+    state = fake_state({})
+    host = state.inventory.get_host("@fake/gpu1")
+    hostrun._log_problems(host, ["no NVIDIA driver answers"])
+    keep = runreport.NoReadyAfterRefusal(state).filter
+
+    def record(text):
+        return logging.LogRecord("pyinfra", logging.INFO, __file__, 1, text, (), None)
+
+    assert not keep(record(f"{host.print_prefix}Ready: deploy.py"))   # as pyinfra's loader logs it
+    assert keep(record("[h2] Ready: deploy.py")) and keep(record("[@fake/gpu1] Connected"))
