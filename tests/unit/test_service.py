@@ -20,12 +20,11 @@ from pyinfra.facts.files import FileContents
 from facts.batch import FactRequest
 from facts.service import (combine_digests, parse_properties, parse_record, parse_venv_target, release_id_of)
 from operations import service
-from servestack import reads
 from servestack.errors import ConfigError
 from servestack.scripts import SCRIPTS
 from servestack.settings import host_settings, settings_from_data
 from servestack.sandbox.standins import fake_sglang_server
-from tests.unit.fake_host import fake_state
+from tests.unit.fake_host import fake_state, read_keys
 
 RELEASE_ID = "r-0123456789ab"
 PATCHSET = "ab" * 32
@@ -367,19 +366,6 @@ def test_healthy_hosts_restart_batch_after_batch():
 # -- the step on a fresh host (pyinfra's @fake connector) -------------------------------------------
 
 FRESH_HOST = {"command -v curl": "/usr/bin/curl", "command -v useradd": "/usr/sbin/useradd", "uname -s": "Linux"}
-
-
-def read_keys(monkeypatch) -> list[str]:
-    """The key of every `reads.fact` the step makes from now on."""
-    keys = []
-    real = reads.fact
-
-    def fact(host, cls, **kwargs):
-        keys.append(FactRequest.of(cls, **kwargs).key)
-        return real(host, cls, **kwargs)
-
-    monkeypatch.setattr(reads, "fact", fact)
-    return keys
 
 
 def test_host_reads_lists_what_the_step_reads_with_the_same_arguments(monkeypatch):
