@@ -369,7 +369,7 @@ def test_rolling_restart_keeps_two_of_three_hosts_answering(service_lab):
     run, samples = poll_while(svc, lambda: svc.converge({**data, "service_attention_backend": "triton"}, "-y"))
     elapsed = time.monotonic() - started
     assert run.rc == 0, run.log
-    assert len(samples) > 50
+    assert len(samples) > 30  # the poller ran all along the roll-out
     answering = [sum(sample.values()) for sample in samples]
     assert min(answering) >= 2, f"fewer than 2 of 3 hosts answered at some moment: {answering}"
     for host in svc.sb.hosts:
