@@ -18,13 +18,14 @@ index_deploy_file(__file__)  # pyinfra inspects this file's frame for every oper
 
 def host_reads(settings, release=None):
     """What the steps read of a host, each step's own list: read in one remote command at prepare
-    and one at execute, right after the lock is taken (servestack/reads.py)."""
+    (unless -y: preflight says why) and one at execute, right after the lock is taken (servestack/reads.py)."""
     return [request for step in (preflight, toolkit, venv, patches, service, speculation, verify)
             for request in step.host_reads(settings, release)]
 
 
 settings = host_settings(host)
-if preflight.preflight(reads=host_reads(settings)):
+if preflight.preflight(reads=host_reads(settings),
+                       decides=[*venv.host_reads(settings), *service.deploy_reads(settings)]):
     release = venv.plan()                       # None: the host was refused (no python to build with)
     if release is not None:
         preflight.lock(reads=host_reads(settings, release))

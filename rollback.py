@@ -34,7 +34,8 @@ def host_reads(settings, release=None):
 
 
 settings = host_settings(host)
-if preflight.preflight(reads=host_reads(settings)):
+if preflight.preflight(reads=host_reads(settings),
+                       decides=[*venv.host_reads(settings), *service.deploy_reads(settings)]):
     release = venv.rollback_target()
     if release is not None:
         preflight.lock(reads=host_reads(settings, release))

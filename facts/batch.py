@@ -12,6 +12,7 @@ its slowest fact.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import shlex
@@ -66,6 +67,10 @@ class FactRequest:
 
     def command(self) -> str:
         """The fact's command as pyinfra runs it, with its `requires_command` guard."""
+        return self._command
+
+    @functools.cached_property
+    def _command(self) -> str:
         fact, kwargs = self.cls(), dict(self.kwargs)
         command = _text(_called(fact.command, kwargs))
         required = _called(fact.requires_command, kwargs)

@@ -128,6 +128,7 @@ class NvidiaGpus(FactBase):
     """The host's GPUs and NVIDIA driver version (see `GpuReport`); never fails."""
 
     slow = True  # starts nvidia-smi, which wakes the driver for every GPU (facts/batch.py)
+    once_per_run = True  # the hardware and its driver: no step, and no other run, changes them (servestack/reads.py)
 
     def command(self) -> str:
         return gpu_command()

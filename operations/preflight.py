@@ -7,10 +7,11 @@ digest of the runfile it would use). Any failed check refuses the host, one line
 it: a pre-staged runfile (`cuda_runfile_path`) that fails its size or checksums is refused here,
 before any step changes anything.
 
-- `preflight(reads)` runs the checks while pyinfra prepares the deploy (with or without -y, and so
-  in `--dry`): a refused host is marked failed before any operation runs on it; other hosts go on
-  (pyinfra's --fail-percent applies; a refused host makes the exit status 1). `reads` is what the
-  steps will read (deploy.py's `host_reads`): read here in the same remote command.
+- `preflight(reads, decides)` runs the checks while pyinfra prepares the deploy (with or without
+  -y, and so in `--dry`): a refused host is marked failed before any operation runs on it; other
+  hosts go on (pyinfra's --fail-percent applies; a refused host makes the exit status 1). What the
+  steps will read (`reads`, deploy.py's `host_reads`) is read here in the same remote command;
+  under -y only what the deploy functions decide from (`decides`): pyinfra runs no operation then.
 - `lock(reads)`: in the execute stage, takes the host's lock (files/scripts/lock.sh; it creates
   servestack's state directory if missing), then reads `reads` in one remote command, under the
   lock, and runs the checks again on what it read. The steps read from there
@@ -32,7 +33,7 @@ from pyinfra.api import deploy, operation
 
 from facts.batch import FactRequest
 from facts.gpu import GpuReport, NvidiaGpus
-from facts.host import DiskSpace, HostLock, lock_path, parse_lock, release_lock_command, take_lock_command
+from facts.host import DiskSpace, HostLock, LockState, lock_path, parse_lock, release_lock_command, take_lock_command
 from facts.preflight import PreflightFacts
 from facts.toolkit import CudaToolkits
 from operations.toolkit import (
@@ -85,22 +86,33 @@ def _fail(name: str, *problems: str) -> Check:
 
 
 def host_reads(settings: Settings, release=None) -> list[FactRequest]:
-    """What preflight reads: the GPUs, free disk where the install writes, the lock, the toolkits
-    (the toolkit step's own fact, with its arguments)."""
+    """What preflight reads: the GPUs, free disk where the install writes, the toolkits (the toolkit
+    step's own fact, with its arguments) and the lock; not the lock with `release` (the read under
+    the lock, which this run has just taken)."""
+    return _checked_reads(settings) + ([] if release is not None else [_lock_read(settings)])
+
+
+def _checked_reads(settings: Settings) -> list[FactRequest]:
     return [FactRequest.of(NvidiaGpus),
-            FactRequest.of(DiskSpace, paths=(settings.cuda_cache_dir, settings.cuda_tmpdir,
-                                             settings.cuda_install_path)),
-            FactRequest.of(HostLock, state_dir=settings.servestack_state_dir),
+            FactRequest.of(DiskSpace, paths=(settings.cuda_cache_dir, settings.cuda_tmpdir, settings.cuda_install_path)),
             FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings))]
 
 
-def read_preflight(host_, settings: Settings, also: list[FactRequest] = (), digest: bool = True) -> PreflightFacts:
+def _lock_read(settings: Settings) -> FactRequest:
+    return FactRequest.of(HostLock, state_dir=settings.servestack_state_dir)
+
+
+def read_preflight(host_, settings: Settings, also: list[FactRequest] = (), digest: bool = True,
+                   lock: LockState | None = None) -> PreflightFacts:
     """Everything the checks judge, read with `also` in one remote command; then, with `digest`, the
     runfile's md5 and sha256 when an install is due and a full-size runfile is there to check (a
-    command of its own; the toolkit step reuses that read in this stage)."""
-    gpu, disks, lock, toolkit = reads.read(host_, [*host_reads(settings), *also])[:4]
+    command of its own; the toolkit step reuses that read in this stage). `lock`: the lock as the
+    caller has just taken it (not read)."""
+    own = _checked_reads(settings) + ([] if lock else [_lock_read(settings)])
+    gpu, disks, toolkit, *read_lock = reads.read(host_, [*own, *also])[:len(own)]
     runfile_digest = read_runfile_digest(host_, settings, toolkit) if digest and toolkit else None
-    return PreflightFacts(gpu=gpu, disks=disks, lock=lock, toolkit=toolkit, runfile_digest=runfile_digest)
+    return PreflightFacts(gpu=gpu, disks=disks, lock=lock or read_lock[0], toolkit=toolkit,
+                          runfile_digest=runfile_digest)
 
 
 def check_driver(settings: Settings, gpu: GpuReport) -> Check:
@@ -301,6 +313,11 @@ def _take_lock(settings: Settings) -> tuple[bool, str]:
     return True, f"lock {path} held by run {run_id(state)} (replaced a stale lock: {stale[0]}{during})"
 
 
+def held_by(state) -> LockState:
+    """The lock as this run holds it once its take succeeded."""
+    return LockState(present=True, alive=True, info={"run_id": run_id(state)}, why="connection")
+
+
 @operation()
 def host_locked(reads: tuple[FactRequest, ...] = ()):
     """
@@ -321,7 +338,7 @@ def host_locked(reads: tuple[FactRequest, ...] = ()):
     if "stale" in what:
         host.log(what)
     # no digest here: preflight verified the runfile at prepare, and the install verifies it before use
-    facts = read_preflight(host, settings, list(reads), digest=False)
+    facts = read_preflight(host, settings, list(reads), digest=False, lock=held_by(host.state))
     problems = problems_of(evaluate(settings, facts, run_id(host.state)))
     if problems:
         yield from refuse(host, problems)
@@ -347,17 +364,21 @@ def lock_free():
 
 
 @deploy("Preflight")
-def preflight(reads: list[FactRequest] = ()) -> bool:
+def preflight(reads: list[FactRequest] = (), decides: list[FactRequest] = ()) -> bool:
     """Check the host, refusing it on any problem. Returns False for a refused host.
 
     + reads: what the steps will read (deploy.py's ``host_reads``), read with preflight's own facts
+      when pyinfra runs every operation while it prepares (to show its change: --dry, or no -y)
+    + decides: what deploy.py's deploy functions decide from; all that is read with preflight's
+      own facts under -y, where pyinfra runs no operation before the execute stage
 
     The checks run here, while pyinfra prepares the deploy (also with -y, which skips change
     detection), so a refused host runs no operation at all. deploy.py skips the remaining steps of
     a refused host: ``if preflight.preflight(...): ...``.
     """
     settings = host_settings(host)
-    checks = evaluate(settings, read_preflight(host, settings, list(reads)), run_id(host.state))
+    wanted = reads if host.state.should_check_for_changes() else decides
+    checks = evaluate(settings, read_preflight(host, settings, list(wanted)), run_id(host.state))
     problems = problems_of(checks)
     if problems:
         refuse_now(host, problems)

@@ -482,15 +482,21 @@ def local_model_paths(settings: Settings) -> list[str]:
     return [path for path in paths if path.startswith("/")]
 
 
+def deploy_reads(settings: Settings) -> list[FactRequest]:
+    """What `sglang_service` itself decides from when deploy.py runs (its operations read the rest):
+    the service user's passwd entry, the host's groups, where venv_path points before this run."""
+    return [FactRequest.of(Groups),
+            FactRequest.of(UserEntry, user=settings.service_user),
+            FactRequest.of(VenvTarget, path=settings.venv_path)]
+
+
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
     """What `sglang_service` and its operations read of a host, with the arguments they pass
     (deploy.py reads them all in one remote command); with `release`, also what they read of it.
     Reads made only when something changes (the unit's text, the releases, unreadable model
     paths) are not listed."""
     requests = [
-        FactRequest.of(Groups),
-        FactRequest.of(UserEntry, user=settings.service_user),
-        FactRequest.of(VenvTarget, path=settings.venv_path),
+        *deploy_reads(settings),
         FactRequest.of(UserAccount, user=settings.service_user),
         FactRequest.of(Directory, path=home_dir(settings)),
         FactRequest.of(Sha256File, path=secrets_path(settings)),

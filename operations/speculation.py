@@ -249,7 +249,7 @@ def bench_now(runs: int | None = None, concurrency: list[int] | None = None, req
     preflight and the host's lock as in deploy.py, then both configurations measured and the host
     left in the one its policy chooses, the record written; nothing else changes."""
     settings = host_settings(host)
-    if not preflight.preflight(reads=_steps_reads(settings)):
+    if not preflight.preflight(reads=_steps_reads(settings), decides=venv.host_reads(settings)):
         return
     release = venv.active_release(settings)
     if release is None:

@@ -9,8 +9,8 @@ What deploy.py calls, in this order (with other steps between):
 
 and rollback.py: `release = venv.rollback_target()` (None: the host was refused, nothing to roll
 back to), then `venv.rollback(release)`. Every operation reads the one MlEnvState fact
-(`host_reads` lists it with the arguments they pass) and, only when a change is due, the active
-environment's packages as well.
+(`host_reads` lists it with the arguments they pass; a shell script, no Python on the host) and,
+only when a change is due, the active environment's packages (ActivePackages) as well.
 
 Building: one resolution, then an ordered install. `uv pip compile` resolves the stack once into
 `lock.txt` (hashes for every file; see operations/releases.py for the index/overrides design);
@@ -36,7 +36,7 @@ from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 
 from facts.batch import FactRequest
-from facts.venv import MlEnvState
+from facts.venv import ActivePackages, MlEnvState
 from operations.releases import (
     CHECK, NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
     release_plan, releases_to_prune, tool_command,
@@ -58,15 +58,14 @@ def uv_cache_dir(settings) -> str:
     return settings.uv_cache_dir or os.path.dirname(settings.venv_releases_dir.rstrip("/")) + "/uv-cache"
 
 
-def mlenv_fact_arguments(settings, packages: bool = False) -> dict:
+def mlenv_fact_arguments(settings) -> dict:
     return {"venv_path": settings.venv_path, "releases_dir": settings.venv_releases_dir,
-            "state_dir": settings.servestack_state_dir, "uv": uv_binary(settings),
-            "python": settings.venv_python, "packages": packages}
+            "state_dir": settings.servestack_state_dir, "python": settings.venv_python}
 
 
 def host_reads(settings, release=None) -> list[FactRequest]:
-    """What this step reads of a host before it decides: the MlEnvState fact without the packages
-    (read with them only when a change is due)."""
+    """What this step reads of a host before it decides: the MlEnvState fact (the active
+    environment's packages, ActivePackages, are read only when a change is due)."""
     return [FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings))]
 
 
@@ -75,10 +74,15 @@ def _no_python(settings) -> str:
             "build the ML environment")
 
 
-def env_state(settings, packages: bool = False) -> dict | None:
-    """The MlEnvState fact (None: the host lacks venv_python); `packages` also lists the active
-    environment's packages."""
-    return reads.fact(host, MlEnvState, **mlenv_fact_arguments(settings, packages))
+def env_state(settings) -> dict | None:
+    """The MlEnvState fact (None: the host lacks venv_python)."""
+    return reads.fact(host, MlEnvState, **mlenv_fact_arguments(settings))
+
+
+def active_packages(settings) -> dict:
+    """The ActivePackages fact: the active environment's python and packages ({} when none)."""
+    return reads.fact(host, ActivePackages, venv_path=settings.venv_path, releases_dir=settings.venv_releases_dir,
+                      python=settings.venv_python) or {}
 
 
 def active_release(settings) -> Release | None:
@@ -123,8 +127,8 @@ def _environment_changes(state: dict, target: str) -> bool:
     return where["kind"] in ("venv", "link") and where["release"] != target
 
 
-def _same_as_latest_backup(state: dict) -> bool:
-    latest, active, where = state.get("latest_backup"), state.get("active") or {}, state["venv_path"]
+def _same_as_latest_backup(state: dict, active: dict) -> bool:
+    latest, where = state.get("latest_backup"), state["venv_path"]
     return bool(latest) and latest.get("realpath") == where["realpath"] \
         and latest.get("packages") == active.get("packages") and latest.get("python") == active.get("python")
 
@@ -153,8 +157,7 @@ def backup_env(target: str, reason: str = "before change"):
         noop(host, f"{settings.venv_path} is "
              f"{'already ' + target if where['release'] == target else where['kind']}: nothing to back up")
         return
-    state = env_state(settings, packages=True)
-    if _same_as_latest_backup(state):
+    if _same_as_latest_backup(state, active_packages(settings)):
         noop(host, f"backup {state['backups'][-1]} already records {settings.venv_path}")
         return
     yield tool_command(settings.venv_python, "backup",
@@ -215,7 +218,7 @@ def activate_release(release: str, by: str = "deploy"):
         return
     hostrun.plan(host, f"{settings.venv_path} -> release {release} (now: {where['release'] or where['kind']})")
     if host.state.config.DIFF:
-        _log_package_diff(settings, env_state(settings, packages=True), release)
+        _log_package_diff(settings, state, active_packages(settings), release)
     yield tool_command(settings.venv_python, "activate",
                        _params(settings, release=release, by=by, adopt_as=f"adopted-{utc_stamp()}"))
 
@@ -247,9 +250,9 @@ def prune_releases(active: str):
     yield tool_command(settings.venv_python, "prune", _params(settings, remove=remove, protect=protect))
 
 
-def _log_package_diff(settings, state: dict, release: str) -> None:
+def _log_package_diff(settings, state: dict, active: dict, release: str) -> None:
     record = state["releases"].get(release) or {}
-    before = (state.get("active") or {}).get("packages") or {}
+    before = active.get("packages") or {}
     partial = not record.get("packages")
     if partial:  # not built yet: the stack pins over the active env's other packages
         stack = _plan(settings, state).expect["packages"]

@@ -10,6 +10,9 @@ pyinfra 3.10 runs every fact an operation asks for as a remote command of its ow
 - `read(host, requests)` reads several facts in ONE remote command (facts/batch.py): deploy.py
   lists what its steps read and has it read once at prepare and once at execute, right after
   the host's lock is taken (operations/preflight.py);
+- a fact of the hardware (a class attribute `once_per_run = True`: the GPUs and their driver,
+  which no step changes) read at prepare is answered from there at execute too: nvidia-smi is
+  the slowest read of a real host;
 - every reader gets a copy of its own (some change what they get);
 - a fact whose command fails in a batch is read again on its own with `host.get_fact`, so
   pyinfra's own error handling applies.
@@ -70,10 +73,21 @@ def read(host, requests: list[FactRequest]) -> list:
     """The requests' values; those not read in this stage yet are read in one remote command."""
     target = real_host(host)
     stage = _stage(target)
+    _carry_from_prepare(target, stage, requests)
     missing = list({request.key: request for request in requests if request.key not in stage.values}.values())
     if missing:
         _read_into(target, stage, missing)
     return [copy.deepcopy(stage.values[request.key]) for request in requests]
+
+
+def _carry_from_prepare(host, stage: _Stage, requests: list[FactRequest]) -> None:
+    """At execute, what prepare read of the hardware (`once_per_run` facts)."""
+    if not host.state.is_executing:
+        return
+    prepared = _READS.get(host.state, {}).get((host.name, False))
+    for request in requests:
+        if getattr(request.cls, "once_per_run", False) and prepared and request.key in prepared.values:
+            stage.values.setdefault(request.key, prepared.values[request.key])
 
 
 def _read_into(host, stage: _Stage, requests: list[FactRequest]) -> None:

@@ -128,7 +128,7 @@ install() {
         fi
         rm -f -- "$SS_MARKER_FILE"
         log=$(this_run_log "$log_start"); log_found=$?
-        refused=$( { printf '%s\n' "$log"; cat -- "$out"; } | grep -i -m 1 'unsupported compiler')
+        refused=$( { printf '%s\n' "$log"; cat -- "$out"; } 2>/dev/null | grep -i -m 1 'unsupported compiler')  # grep may leave early
         if [ -n "$refused" ]; then
             say "CUDA $SS_CUDA_VERSION install refused by the installer's compiler check: $refused"
             if [ -n "${SS_COMPILER_HINT:-}" ]; then say "$SS_COMPILER_HINT"; fi

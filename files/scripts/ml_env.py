@@ -5,7 +5,7 @@ The control machine (operations/venv.py) sends this file over SSH as
 it from facts; this file does the mechanical part on the host, where renames are atomic and JSON
 records are written safely:
 
-    state     print one JSON object describing the environment (the fact; changes nothing)
+    packages  print the active environment's packages (the ActivePackages fact; changes nothing)
     backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
     build     build one release beside the active one: venv, lock, ordered install, checks
     activate  adopt a hand-made venv if needed, then point venv_path at a release (rename(2))
@@ -17,7 +17,7 @@ command prints its result as one JSON line, last on stdout; `build` prints a pro
 and after each of its steps first ("servestack: install step 2 (...): done after 3.1 s").
 """
 
-# Other imports are local to the functions that need them: `state` runs on every converge.
+# Other imports are local to the functions that need them.
 import binascii  # a builtin module; base64 would import re and struct on top of it
 import json
 import os
@@ -116,21 +116,6 @@ def release_of(link_target, releases_dir):
     return None
 
 
-def releases(releases_dir):
-    found = {}
-    if not os.path.isdir(releases_dir):
-        return found
-    for name in sorted(os.listdir(releases_dir)):
-        if not RELEASE_NAME.match(name):
-            continue
-        directory = os.path.join(releases_dir, name)
-        record = read_json(os.path.join(directory, RECORD), {}) or {}
-        record["has_venv"] = os.path.isfile(os.path.join(directory, "venv", "pyvenv.cfg"))
-        record.setdefault("status", "incomplete")
-        found[name] = record
-    return found
-
-
 def backups(state_dir):
     directory = os.path.join(state_dir, "backups")
     if not os.path.isdir(directory):
@@ -138,76 +123,21 @@ def backups(state_dir):
     return sorted(name for name in os.listdir(directory) if BACKUP_NAME.match(name))
 
 
-def uv_version(uv):
-    output = spawn_output([uv, "--version"], timeout=30)
-    parts = output.split() if output is not None else []
+def uv_version(uv, timeout=30):
+    """`uv --version`'s second word, or None when uv cannot run, fails or outlives `timeout` s."""
+    import subprocess
+    try:
+        result = subprocess.run([uv, "--version"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    parts = result.stdout.split() if result.returncode == 0 else []
     return parts[1] if len(parts) >= 2 else None
 
 
-def spawn_output(argv, timeout):
-    """The stdout of `argv` (stderr dropped), or None if it cannot start, fails or outlives `timeout` s.
-
-    posix_spawn instead of subprocess, whose import costs more than running `uv --version`.
-    """
-    read_end, write_end = os.pipe()
-    try:
-        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[
-            (os.POSIX_SPAWN_DUP2, write_end, 1), (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)])
-    except OSError:
-        os.close(read_end)
-        return None
-    finally:
-        os.close(write_end)
-    try:
-        output = read_until_eof(read_end, timeout)
-    finally:
-        os.close(read_end)
-    if output is None:
-        os.kill(pid, 9)  # SIGKILL, as subprocess does on a timeout
-    status = os.waitpid(pid, 0)[1]
-    return output.decode(errors="replace") if output is not None and status == 0 else None
-
-
-def read_until_eof(fd, timeout):
-    """Everything read from `fd` until end of file, or None when that takes over `timeout` seconds."""
-    import select
-    import time
-    deadline, chunks = time.monotonic() + timeout, []
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return None
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-
-
-def python_version(sys_version):
-    """platform.python_version() without importing platform: sys.version's first word, as x.y.z."""
-    version = re.match(r"[\w.+]+", sys_version, re.ASCII).group()
-    return version + ".0" if version.count(".") == 1 else version
-
-
-def command_state(params):
-    """The environment's state (with the active environment's packages unless params["packages"] is false)."""
-    venv_path, releases_dir, state_dir = params["venv_path"], params["releases_dir"], params["state_dir"]
-    where = venv_path_state(venv_path, releases_dir)
-    packages = params.get("packages", True)
-    active = env_packages(venv_path) if packages and where["kind"] in ("venv", "link") else None
-    names = backups(state_dir)
-    latest = read_json(os.path.join(state_dir, "backups", names[-1])) if names else None
-    return {
-        "python": {"version": python_version(sys.version), "executable": sys.executable},
-        "machine": os.uname().machine,  # what platform.machine() reports
-        "venv_path": where,
-        "active": active,
-        "releases": releases(releases_dir),
-        "history": (read_json(os.path.join(state_dir, HISTORY), {}) or {}).get("activations", []),
-        "backups": names,
-        "latest_backup": latest,
-        "uv": uv_version(params["uv"]),
-    }
+def command_packages(params):
+    """The active environment's packages (None unless venv_path is a venv or a link to one)."""
+    where = venv_path_state(params["venv_path"], params["releases_dir"])
+    return env_packages(params["venv_path"]) if where["kind"] in ("venv", "link") else None
 
 
 # --- backup ------------------------------------------------------------------------------------
@@ -624,7 +554,7 @@ def command_prune(params):
     return {"removed": removed}
 
 
-COMMANDS = {"state": command_state, "backup": command_backup, "build": command_build,
+COMMANDS = {"packages": command_packages, "backup": command_backup, "build": command_build,
             "activate": command_activate, "prune": command_prune, "backups": command_backups}
 
 

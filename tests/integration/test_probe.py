@@ -63,6 +63,10 @@ def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
         take = [index for index, text in enumerate(sent) if "lock.sh take" in text.replace("'", "")]
         reads = [index for index, text in enumerate(sent) if "@@servestack begin" in text]
         assert len(take) == 1 and len(reads) == 2 and reads[0] < take[0] < reads[1], (take, reads)
+        # under -y pyinfra runs no operation while it prepares: that read is what the deploy decides
+        # from (preflight, the release plan); the operations' own reads (the unit's state) come at execute
+        unit_state = "systemctl show --property=LoadState"
+        assert unit_state not in sent[reads[0]] and unit_state in sent[reads[1]]
     finally:
         shutil.rmtree(texts, ignore_errors=True)
     # the heavy checks (torch, the CUDA sample, the patch check) were recorded by the converge and reused

@@ -148,6 +148,42 @@ def test_prepare_and_execute_are_separate_stages():
     assert reads_of(fake, "cat /etc/group") == 2
 
 
+class Hardware(FactBase):
+    """A fact of the hardware (as facts/gpu.py NvidiaGpus): read once per run."""
+
+    once_per_run = True
+
+    def command(self):
+        return "cat /etc/group"
+
+    def process(self, output):
+        return list(output)
+
+
+def test_a_fact_of_the_hardware_read_at_prepare_is_not_read_again_at_execute():
+    fake = fake_host()
+    seen: list = []
+    reads.fact(fake, Hardware)
+    add_op(fake.state, reader, label="op", seen=seen, request=FactRequest.of(Hardware))
+    add_op(fake.state, runs_a_callback)   # a change: other facts would be read again now
+    add_op(fake.state, reader, label="after", seen=seen, request=FactRequest.of(Hardware))
+    run_ops(fake.state)
+    assert [(label, executing) for label, executing, _ in seen][-2:] == [("op", True), ("after", True)]
+    assert reads_of(fake, "cat /etc/group") == 1
+    assert seen[-1][2] == ["root:x:0:", "adm:x:4:"]
+
+
+def test_a_fact_of_the_hardware_prepare_did_not_read_is_read_at_execute():
+    fake = fake_host()
+    seen: list = []
+    state = fake.state
+    state.check_for_changes = False   # -y: the operation reads at execute only
+    add_op(state, reader, label="op", seen=seen, request=FactRequest.of(Hardware))
+    run_ops(state)
+    assert [(label, executing) for label, executing, _ in seen] == [("op", True)]
+    assert reads_of(fake, "cat /etc/group") == 1
+
+
 def test_after_an_operation_ran_commands_at_execute_the_next_read_is_new():
     fake = fake_host()
     seen: list = []

@@ -381,6 +381,17 @@ def test_host_reads_lists_what_the_step_reads_with_the_same_arguments(monkeypatc
     assert {request.key for request in service.host_reads(s)} < listed
 
 
+def test_under_yes_the_deploy_function_reads_only_what_deploy_reads_lists(monkeypatch):
+    """pyinfra -y runs no operation while it prepares: what the step reads then is what
+    `deploy_reads` lists (deploy.py reads it with preflight's facts, in one command)."""
+    state = fleet(["gpu1"], FRESH_HOST)
+    state.check_for_changes = False          # what pyinfra's CLI sets for -y
+    s = settings()
+    keys = read_keys(monkeypatch)
+    add_deploy(state, service.sglang_service, release=service.release(s, RELEASE_ID))
+    assert keys and set(keys) == {request.key for request in service.deploy_reads(s)}
+
+
 def test_a_dry_run_on_a_fresh_host_diffs_the_unit_of_the_planned_release(caplog):
     caplog.set_level(logging.INFO, logger="pyinfra")
     state = fleet(["gpu1"], FRESH_HOST, Config(DIFF=True))

@@ -12,6 +12,7 @@ from facts.batch import FactBatch, batches
 from facts.framing import Section
 from facts.host import LockState
 from facts.verify import MARK
+from operations.releases import HEREDOC
 from servestack import status
 from servestack.backups import format_backups, snapshot_of
 from servestack.cli import build_parser
@@ -31,7 +32,7 @@ def settings():
 
 
 def env(active: str | None, history: list, releases: dict | None = None, kind: str = "link") -> dict:
-    """MlEnvState as files/scripts/ml_env.py `state` prints it (packages=False)."""
+    """MlEnvState's value (facts/venv.py)."""
     releases = releases if releases is not None else {
         ADOPTED: {"id": ADOPTED, "status": "ok", "has_venv": True, "adopted": True, "created": "20260101T090000Z"},
         NEW: {"id": NEW, "status": "ok", "has_venv": True, "adopted": False, "created": "20260107T080000Z"},
@@ -40,7 +41,7 @@ def env(active: str | None, history: list, releases: dict | None = None, kind: s
     return {"python": {"version": "3.11.2", "executable": "/usr/bin/python3"}, "machine": "x86_64",
             "venv_path": {"path": "/opt/ml-env", "kind": kind, "target": target,
                           "realpath": target or "/opt/ml-env", "release": active},
-            "active": None, "releases": releases, "history": history, "backups": [], "latest_backup": None,
+            "releases": releases, "history": history, "backups": [], "latest_backup": None,
             "uv": "0.9.5"}
 
 
@@ -184,9 +185,9 @@ def test_status_reads_a_host_in_one_command_asking_health_only(settings):
                                                     "UnitTimes", "ServiceHttp"]
     assert dict(wanted[3].kwargs)["path"] == "/var/lib/servestack/speculation.json"
     assert len(batches(wanted)) == 1
-    assert dict(wanted[0].kwargs)["packages"] is False
     assert dict(wanted[-1].kwargs)["request"] == ""         # GET /health, never a real /generate
     command = FactBatch().command(batches(wanted)[0])
+    assert HEREDOC not in command                           # no Python tool: the packages are not listed
     assert "systemctl show --property=LoadState,ActiveState" in command and "date -u +%s" in command
 
 

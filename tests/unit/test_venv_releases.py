@@ -104,12 +104,12 @@ def test_python_series():
 
 
 def test_tool_command_ships_the_tool_and_its_params():
-    command = tool_command("python3", "state", {"venv_path": "/opt/ml-env"})
+    command = tool_command("python3", "packages", {"venv_path": "/opt/ml-env"})
     first, *body = command.splitlines()
-    assert first.startswith("python3 -I -S - state ") and first.endswith(f"<<'{HEREDOC}'")
+    assert first.startswith("python3 -I -S - packages ") and first.endswith(f"<<'{HEREDOC}'")
     params = json.loads(base64.b64decode(first.split()[5]))
     assert params == {"venv_path": "/opt/ml-env"}
-    assert body[-1] == HEREDOC and "def command_state" in command
+    assert body[-1] == HEREDOC and "def command_packages" in command
     assert guarded_tool_command("python3", "state", {}).startswith("if command -v python3 ")
 
 

@@ -24,6 +24,7 @@ from pyinfra.api.operation import add_op
 from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
 
+from facts import venv as facts_venv
 from facts.venv import MlEnvState
 from operations import venv as venv_step
 from operations.releases import CHECK, HEREDOC, TOOL, encode, release_at, release_plan
@@ -134,16 +135,26 @@ def hand_made_venv(path, packages):
                    check=True)
 
 
+def read_state(paths: dict, python: str = sys.executable) -> dict | None:
+    """The MlEnvState fact's value on the pretend host `paths`: its real command run with sh here."""
+    fact = MlEnvState()
+    arguments = {key: paths[key] for key in ("venv_path", "releases_dir", "state_dir")}
+    result = subprocess.run(["sh", "-c", fact.command(**arguments, python=python)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return fact.process(result.stdout.splitlines())
+
+
 def test_state_of_an_empty_host(host):
-    code, state, _ = run_tool("state", host)
-    assert code == 0
-    assert state["venv_path"]["kind"] == "missing" and state["active"] is None
+    state = read_state(host)
+    assert state["venv_path"] == {"path": host["venv_path"], "kind": "missing", "target": None, "realpath": None,
+                                  "release": None}
     assert state["releases"] == {} and state["history"] == [] and state["backups"] == []
+    assert state["latest_backup"] is None
 
 
 def test_state_calls_a_plain_directory_other(host):
     os.makedirs(host["venv_path"])
-    assert run_tool("state", host)[1]["venv_path"]["kind"] == "other"
+    assert read_state(host)["venv_path"]["kind"] == "other"
 
 
 def fake_uv(path, body):
@@ -156,22 +167,19 @@ def fake_uv(path, body):
     return str(path)
 
 
-def test_state_imports_only_what_it_needs(host, tmp_path):
-    """`state` runs on every converge: subprocess, platform & co. would cost more than its work."""
-    params = {**host, "packages": False, "uv": fake_uv(tmp_path / "bin" / "uv", "echo 'uv 0.13.9 (abc 2026-01-01)'")}
-    argv = [sys.executable, "-I", "-S", "-X", "importtime", "-", "state", encode(params)]
-    result = subprocess.run(argv, input=TOOL.read_text(), capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["uv"] == "0.13.9"
-    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-    costly = {"subprocess", "shutil", "hashlib", "datetime", "base64", "platform", "urllib", "urllib.parse",
-              "pathlib", "dataclasses", "uuid", "struct"}
-    assert imported & costly == set()
+def test_state_starts_no_python_but_its_version(host, tmp_path):
+    """MlEnvState runs on every converge, twice: the only Python it starts is `PYTHON -V`."""
+    calls = tmp_path / "calls"
+    python = fake_uv(tmp_path / "bin" / "python3", f'echo "$*" >> {calls}; exec {sys.executable} "$@"')
+    os.makedirs(host["venv_path"])
+    state = read_state(host, python=python)
+    assert state["venv_path"]["kind"] == "other" and calls.read_text() == "-V\n"
 
 
 def test_state_reports_python_and_machine_as_platform_does(host):
-    code, state, _ = run_tool("state", host)
-    assert (code, state["python"]["version"], state["machine"]) == (0, platform.python_version(), platform.machine())
+    state = read_state(host)
+    assert state["python"] == {"version": platform.python_version(), "executable": sys.executable}
+    assert state["machine"] == platform.machine()
 
 
 @pytest.mark.parametrize("sys_version", [
@@ -183,7 +191,87 @@ def test_state_reports_python_and_machine_as_platform_does(host):
     "3.10.13 (f1607341da97, Oct 06 2023, 00:00:00)\n[PyPy 7.3.13 with GCC 10.2.1 20210130 (Red Hat 10.2.1-11)]",
 ])
 def test_python_version_is_what_platform_derives_from_sys_version(sys_version):
-    assert ml_env.python_version(sys_version) == platform._sys_version(sys_version)[1]
+    """`python -V` prints `Python ` and sys.version's first word."""
+    assert facts_venv.python_version(sys_version.split()[0]) == platform._sys_version(sys_version)[1]
+
+
+def test_state_is_none_without_the_python(host):
+    assert read_state(host, python="no-such-python3") is None
+
+
+def _at_venv_path(kind: str, host: dict, tmp_path: Path) -> None:
+    venv_path, releases = Path(host["venv_path"]), Path(host["releases_dir"])
+    release_venv = releases / "r-0123456789ab" / "venv"
+    release_venv.mkdir(parents=True)
+    (release_venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    if kind == "link to a release":
+        venv_path.symlink_to(release_venv)
+    elif kind == "relative link to a release":
+        venv_path.symlink_to(os.path.relpath(release_venv, venv_path.parent))
+    elif kind == "link elsewhere":
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "pyvenv.cfg").write_text("")
+        venv_path.symlink_to(tmp_path / "elsewhere")
+    elif kind == "broken link":
+        venv_path.symlink_to(releases / "r-000000000000" / "venv")
+    elif kind == "link to a directory without pyvenv.cfg":
+        (tmp_path / "bare").mkdir()
+        venv_path.symlink_to(tmp_path / "bare")
+    elif kind == "venv":
+        venv_path.mkdir()
+        (venv_path / "pyvenv.cfg").write_text("")
+    elif kind == "plain directory":
+        venv_path.mkdir()
+    elif kind == "file":
+        venv_path.write_text("not a venv")
+
+
+@pytest.mark.parametrize("kind", ["missing", "link to a release", "relative link to a release", "link elsewhere",
+                                  "broken link", "link to a directory without pyvenv.cfg", "venv",
+                                  "plain directory", "file"])
+def test_the_fact_judges_venv_path_as_the_host_tool_does(host, tmp_path, kind):
+    """The fact (shell, parsed here) and the host tool's `venv_path_state` (used by backup and
+    activate) are two readings of one rule: they must agree."""
+    _at_venv_path(kind, host, tmp_path)
+    assert read_state(host)["venv_path"] == ml_env.venv_path_state(host["venv_path"], host["releases_dir"])
+
+
+def test_release_records_as_the_host_tool_wrote_them(host):
+    releases = Path(host["releases_dir"])
+    for name, record in (("r-0123456789ab", '{"id": "r-0123456789ab", "status": "ok"}'),
+                         ("r-ba9876543210", "not json"), ("adopted-20260101T000000Z", None)):
+        (releases / name / "venv").mkdir(parents=True)
+        if record is not None:
+            (releases / name / "release.json").write_text(record)
+    (releases / "r-ba9876543210" / "venv" / "pyvenv.cfg").write_text("")
+    (releases / "not-a-release").mkdir()
+    (releases / ".build-guard").write_text("")
+    assert read_state(host)["releases"] == {
+        "adopted-20260101T000000Z": {"status": "incomplete", "has_venv": False},
+        "r-0123456789ab": {"id": "r-0123456789ab", "status": "ok", "has_venv": False},
+        "r-ba9876543210": {"status": "incomplete", "has_venv": True},
+    }
+
+
+def test_backups_are_listed_in_order_and_the_latest_read(host):
+    backups = Path(host["state_dir"], "backups")
+    backups.mkdir(parents=True)
+    for name in ("20260102T000000Z.json", "20260101T000000Z.json", "20260102T000000Z-2.json", "notes.json"):
+        backups.joinpath(name).write_text(json.dumps({"name": name}))
+    state = read_state(host)
+    assert state["backups"] == ["20260101T000000Z.json", "20260102T000000Z-2.json", "20260102T000000Z.json"]
+    assert state["latest_backup"] == {"name": "20260102T000000Z.json"}
+
+
+def test_the_active_packages_of_a_host_without_an_environment_are_none(host):
+    assert run_tool("packages", host)[:2] == (0, None)
+
+
+@needs_uv
+def test_the_active_packages_are_listed_by_the_environments_own_python(host):
+    hand_made_venv(host["venv_path"], [("torch", "2.9.1+cu128")])
+    code, active, _ = run_tool("packages", host)
+    assert code == 0 and active["packages"]["torch"] == "2.9.1+cu128" and active["prefix"] == host["venv_path"]
 
 
 @pytest.mark.parametrize("body, version", [
@@ -203,9 +291,9 @@ def test_uv_version_is_none_when_uv_cannot_run(tmp_path):
         assert ml_env.uv_version(str(uv)) is None
 
 
-def test_a_command_that_outlives_its_timeout_gives_nothing(tmp_path):
+def test_a_uv_that_outlives_its_timeout_gives_no_version(tmp_path):
     started = time.monotonic()
-    assert ml_env.spawn_output([fake_uv(tmp_path / "uv", "echo uv 1.0; exec sleep 30")], timeout=0.3) is None
+    assert ml_env.uv_version(fake_uv(tmp_path / "uv", "echo uv 1.0; exec sleep 30"), timeout=0.3) is None
     assert time.monotonic() - started < 10
 
 
@@ -488,7 +576,6 @@ def pretend(tmp_path) -> PretendHost:
 def test_the_fact_reads_the_pretend_host(pretend):
     state = pretend.read()
     assert state["venv_path"]["release"] == ACTIVE and state["releases"].keys() == {ACTIVE, OTHER}
-    assert state["active"] is None and state["uv"] == "0.13.9"
     assert state["backups"] == ["20260101T000000Z.json"] and state["history"][0]["previous"] == OTHER
 
 
@@ -523,10 +610,6 @@ def _rewrite_the_history(host: PretendHost) -> None:
     (host.state_dir / "releases.json").write_text(json.dumps({"activations": []}))
 
 
-def _replace_uv(host: PretendHost) -> None:
-    fake_uv(host.uv, "echo 'uv 0.14.0 (abc 2026-01-01)'")
-
-
 def _remove_a_venv(host: PretendHost) -> None:
     (host.releases_dir / OTHER / "venv" / "pyvenv.cfg").unlink()
 
@@ -538,7 +621,6 @@ def _remove_a_venv(host: PretendHost) -> None:
     (_repoint_the_link, lambda value: value["venv_path"]["release"] == OTHER),
     (_add_a_backup, lambda value: value["backups"][-1] == "20260102T000000Z.json"),
     (_rewrite_the_history, lambda value: value["history"] == []),
-    (_replace_uv, lambda value: value["uv"] == "0.14.0"),
     (_remove_a_venv, lambda value: value["releases"][OTHER]["has_venv"] is False),
 ])
 def test_the_fact_sees_every_change_to_what_the_state_is_read_from(pretend, change, seen):
@@ -550,7 +632,7 @@ def test_the_fact_sees_every_change_to_what_the_state_is_read_from(pretend, chan
 @pytest.fixture
 def run_on_pretend(monkeypatch, pretend):
     """The @fake connector, but the tool's commands (params: base64) really run on the pretend host."""
-    run_here(monkeypatch, lambda command: HEREDOC in command, pretend.sh)
+    run_here(monkeypatch, lambda command: HEREDOC in command or "ml-env-state.sh" in command, pretend.sh)
 
 
 def fake_host_of(state):
