@@ -315,7 +315,7 @@ def _take_lock(settings: Settings) -> tuple[bool, str]:
 
 def held_by(state) -> LockState:
     """The lock as this run holds it once its take succeeded."""
-    return LockState(present=True, alive=True, info={"run_id": run_id(state)}, why="connection")
+    return LockState(present=True, alive=True, info={"run_id": run_id(state)})
 
 
 @operation()

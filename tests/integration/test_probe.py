@@ -67,6 +67,9 @@ def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
         # from (preflight, the release plan); the operations' own reads (the unit's state) come at execute
         unit_state = "systemctl show --property=LoadState"
         assert unit_state not in sent[reads[0]] and unit_state in sent[reads[1]]
+        # under the lock the lock is not read again: the take said this run holds it
+        lock_read = "lock.sh read /var/lib/servestack"
+        assert lock_read in sent[reads[0]] and lock_read not in sent[reads[1]]
     finally:
         shutil.rmtree(texts, ignore_errors=True)
     # the heavy checks (torch, the CUDA sample, the patch check) were recorded by the converge and reused
