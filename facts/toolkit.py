@@ -3,8 +3,9 @@ link chain, servestack's record of them, and the cached runfile.
 
 `CudaToolkits` answers everything the toolkit step decides from, in one remote command that only
 stats and reads small files: on a converged host it never reads the runfile.
-`ToolkitFingerprint` (a `find` over one tree) and `RunfileDigest` (md5 and sha256 of one file,
-read concurrently) are separate because they cost more; they run only when an install is due.
+`ToolkitFingerprint` (a `find` over one tree: the toolkit step records it, the verify step
+compares) and `RunfileDigest` (md5 and sha256 of one file, read concurrently, only when an install
+is due) are separate because they cost more. The first two are files/scripts/cuda-toolkits.sh.
 
 toolkits.json (`<servestack_state_dir>/toolkits.json`), written by operations/toolkit.py and read
 by the verification suite::
@@ -29,6 +30,8 @@ import shlex
 from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
+
+from servestack.scripts import script_command
 
 _NVCC = re.compile(r"release (\d+\.\d+), V(\d+(?:\.\d+)+)")
 
@@ -140,57 +143,27 @@ def resolved_path(word: str) -> str:
     return f"{{ (cd -P -- {word} 2>/dev/null && pwd -P) || readlink -f {word}; }}"
 
 
-def dpkg_may_own(path: str) -> str:
-    """Shell test: some dpkg package lists `path` (a quoted word or "$var") or diverts it. It reads
-    the package lists with one `grep`, where `dpkg -S` loads the whole database (~20 ms of CPU on a
-    small host, several times that on a full one) to answer the same, usually "no" on a runfile
-    install. When it says yes, dpkg -S gives the answer. The database is where dpkg looks for it."""
-    return (f"command -v dpkg >/dev/null 2>&1 && "
-            f"grep -qsFx -- {path} \"${{DPKG_ADMINDIR:-/var/lib/dpkg}}\"/info/*.list "
-            f"\"${{DPKG_ADMINDIR:-/var/lib/dpkg}}\"/diversions")
-
-
-def tree_command(path: str, prefix: str = "tree") -> str:
-    """Print `<prefix>_*` lines describing the toolkit tree at `path` (see `parse_tree`)."""
-    p = shlex.quote(path)
-    return (
-        f"if [ -L {p} ]; then printf '%s %s\\n' {prefix}_symlink \"$(readlink {p})\"; fi; "
-        f"if [ -d {p} ]; then "
-        # emptiness and the nvcc lines with shell builtins: this runs on every converge, several times
-        f"e={prefix}_empty; for f in {p}/* {p}/.[!.]* {p}/..?*; do "
-        "if [ -e \"$f\" ] || [ -L \"$f\" ]; then e=" + prefix + "_exists; break; fi; done; echo \"$e\"; "
-        f"if [ -e {p}/bin/nvcc ]; then out=$({p}/bin/nvcc --version 2>&1); "
-        f"echo \"{prefix}_nvcc_exit $?\"; printf '%s\\n' \"$out\" | "
-        f"while IFS= read -r l; do printf '%s %s\\n' {prefix}_nvcc \"$l\"; done; fi; "
-        f"if [ -f {p}/version.json ]; then printf '%s %s\\n' {prefix}_version_json \"$(tr -d '\\n' < {p}/version.json)\"; "
-        f"elif {dpkg_may_own(p + '/bin/nvcc')}; then "
-        f"dpkg -S {p}/bin/nvcc 2>/dev/null | head -n 1 | sed 's/^/{prefix}_dpkg /'; fi; "
-        f"elif [ -e {p} ]; then echo {prefix}_exists; echo \"{prefix}_nvcc_exit 127\"; "
-        f"else echo {prefix}_absent; fi"
-    )
-
-
-def parse_tree(path: str, lines: list[str], prefix: str = "tree") -> Tree:
-    """Parse the lines `tree_command(path, prefix)` printed."""
+def parse_tree(path: str, lines: list[str]) -> Tree:
+    """Parse the `tree_*` lines of cuda-toolkits.sh `state`."""
     values: dict = {"path": path}
     nvcc_lines, nvcc_exit = [], None
     for line in lines:
         key, _, rest = line.partition(" ")
-        if key == f"{prefix}_exists":
+        if key == "tree_exists":
             values["exists"] = True
-        elif key == f"{prefix}_empty":
+        elif key == "tree_empty":
             values.update(exists=True, empty=True)
-        elif key == f"{prefix}_symlink":
+        elif key == "tree_symlink":
             values["symlink_to"] = rest
-        elif key == f"{prefix}_nvcc_exit":
+        elif key == "tree_nvcc_exit":
             nvcc_exit = int(rest)
-        elif key == f"{prefix}_nvcc":
+        elif key == "tree_nvcc":
             nvcc_lines.append(rest)
-        elif key == f"{prefix}_version_json":
+        elif key == "tree_version_json":
             parsed = parse_json_object(rest)
             values["version_json"] = parsed
             values["version_json_invalid"] = parsed is None
-        elif key == f"{prefix}_dpkg":
+        elif key == "tree_dpkg":
             values["dpkg_owner"] = rest.split(":", 1)[0].strip() or rest
     nvcc_text = "\n".join(nvcc_lines)
     if nvcc_exit is not None:
@@ -204,22 +177,8 @@ def parse_tree(path: str, lines: list[str], prefix: str = "tree") -> Tree:
     return Tree(**values)
 
 
-def link_chain_command(path: str) -> str:
-    """Print `hop <link> -> <target>` per symlink hop, then `link_kind ...` and `link_resolved ...`."""
-    p = shlex.quote(path)
-    return (
-        f"p={p}; n=0; while [ -L \"$p\" ] && [ $n -lt 16 ]; do t=$(readlink \"$p\"); "
-        "printf 'hop %s -> %s\\n' \"$p\" \"$t\"; case \"$t\" in /*) p=$t ;; *) p=${p%/*}/$t ;; esac; "
-        "n=$((n+1)); done; "
-        f"if [ -L {p} ] && [ ! -e {p} ]; then echo link_kind dangling; "
-        f"elif [ -L {p} ]; then echo link_kind link; elif [ -d {p} ]; then echo link_kind directory; "
-        f"elif [ -e {p} ]; then echo link_kind file; else echo link_kind absent; fi; "
-        f"if [ -e {p} ]; then printf 'link_resolved %s\\n' \"$({resolved_path(p)})\"; fi"
-    )
-
-
 def parse_link_chain(path: str, lines: list[str]) -> LinkChain:
-    """Parse the lines `link_chain_command(path)` printed."""
+    """Parse the `hop`, `link_kind` and `link_resolved` lines of cuda-toolkits.sh `state`."""
     hops, kind, resolved = [], "absent", None
     for line in lines:
         key, _, rest = line.partition(" ")
@@ -253,15 +212,7 @@ def parse_stats(lines: list[str]) -> dict:
 
 def toolkits_command(install_path: str, keep_paths: tuple[str, ...], link_path: str,
                      state_dir: str, files: tuple[str, ...]) -> str:
-    parts = ["echo \"arch $(uname -m)\"", tree_command(install_path, "tree")]
-    parts += [f"if [ -d {q} ]; then k=1; else k=0; fi; printf 'keep %s %s\\n' $k {q}"
-              for q in map(shlex.quote, keep_paths)]
-    parts.append(link_chain_command(link_path))
-    for key, path in (("record", record_path(state_dir)), ("marker", marker_path(state_dir))):
-        q = shlex.quote(path)
-        parts.append(f"if [ -f {q} ]; then printf '%s %s\\n' {key} \"$(tr -d '\\n' < {q})\"; fi")
-    parts += [stat_command(path) for path in files]
-    return "; ".join(parts) + "; true"
+    return script_command("cuda-toolkits.sh", "state", install_path, link_path, state_dir, *keep_paths, "--", *files)
 
 
 def parse_toolkits(install_path: str, link_path: str, lines: list[str]) -> ToolkitState:
@@ -282,7 +233,7 @@ def parse_toolkits(install_path: str, link_path: str, lines: list[str]) -> Toolk
             marker = parse_json_object(rest) or {"invalid": rest}
     return ToolkitState(
         arch=arch,
-        install=parse_tree(install_path, lines, "tree"),
+        install=parse_tree(install_path, lines),
         kept=kept,
         link=parse_link_chain(link_path, lines),
         record=record,
@@ -352,20 +303,8 @@ class Fingerprint:
 
 
 def fingerprint_command(path: str) -> str:
-    """Print the fingerprint lines of the tree at `path`: nvcc, version.json, file count and hash."""
-    p = shlex.quote(path)
-    listing = (f"find {p}/ -mindepth 1 \\( -type f -printf 'f\\t%P\\t%s\\n' \\) "
-               "-o \\( -type l -printf 'l\\t%P\\t%l\\n' \\) -o -printf '%y\\t%P\\n' | LC_ALL=C sort")
-    return (
-        f"if [ -d {p} ]; then echo fp_present; "
-        f"if [ -e {p}/bin/nvcc ]; then out=$({p}/bin/nvcc --version 2>&1); echo \"fp_nvcc_exit $?\"; "
-        "printf '%s\\n' \"$out\" | while IFS= read -r l; do printf 'fp_nvcc %s\\n' \"$l\"; done; fi; "
-        f"if [ -f {p}/version.json ]; then printf '%s %s\\n' fp_version_json \"$(tr -d '\\n' < {p}/version.json)\"; fi; "
-        # the entry count (non-empty lines) and the hash without grep and cut: this runs on every converge
-        f"list=$({listing}); n=$(set -f; IFS='\n'; set -- $list; echo $#); "
-        "h=$(printf '%s\\n' \"$list\" | sha256sum); echo \"fp_files $n ${h%% *}\"; "
-        "else echo fp_absent; fi"
-    )
+    """The fingerprint lines of the tree at `path`: nvcc, version.json, file count and hash."""
+    return script_command("cuda-toolkits.sh", "fingerprint", path)
 
 
 def parse_fingerprint(path: str, lines: list[str]) -> Fingerprint:

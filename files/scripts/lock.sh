@@ -25,26 +25,32 @@
 state=${2%/}
 lock=$state/lock
 
-first_line() { l=; { IFS= read -r l < "$1"; } 2>/dev/null; printf '%s\n' "$l"; }
-field() {   # field KEY FILE: one value of the lock's JSON line
+# The helpers set variables instead of printing: `$(...)` of a function is a fork, and this runs on
+# every converge of every host.
+first_line() { line=; { IFS= read -r line < "$1"; } 2>/dev/null; }   # $line: FILE's first line
+field() {   # field KEY FILE: $value, one value of the lock's JSON line ('' when absent)
+    value=
     { while IFS= read -r l || [ -n "$l" ]; do
         case "$l" in *"\"$1\":"*) ;; *) continue ;; esac
         v=${l##*"\"$1\":"}; while [ "${v# }" != "$v" ]; do v=${v# }; done
-        v=${v#\"}; printf '%s\n' "${v%%[\",\}]*}"; return 0
+        v=${v#\"}; value=${v%%[\",\}]*}; return 0
     done < "$2"; } 2>/dev/null
 }
-proc_start() {   # the process's start time in clock ticks (field 22 of /proc/PID/stat)
-    l=$(first_line "/proc/$1/stat"); [ -n "$l" ] || return 0
-    set -- ${l##*) }; [ $# -ge 20 ] && eval 'printf "%s\n" "${20}"'
+proc_start() {   # $start: the process's start time in clock ticks (field 22 of /proc/PID/stat)
+    start=
+    first_line "/proc/$1/stat"; [ -n "$line" ] || return 0
+    set -- ${line##*) }; [ $# -ge 20 ] && eval 'start=${20}'
 }
-boot_id() { first_line /proc/sys/kernel/random/boot_id; }
+boot_id() { first_line /proc/sys/kernel/random/boot_id; boot=$line; }   # $boot
 busy() { [ -e "$lock.busy" ] && command -v flock >/dev/null 2>&1 && ! flock -n "$lock.busy" true; }
 lock_alive() {   # the one definition of "not stale"; sets $why
-    [ "$(field boot_id "$lock")" = "$(boot_id)" ] || return 1
-    pid=$(field pid "$lock")
+    boot_id; field boot_id "$lock"
+    [ "$value" = "$boot" ] || return 1
+    field pid "$lock"; pid=$value
     case "$pid" in ''|null) why=no-owner; return 0 ;; esac
     why=connection
-    [ -n "$(proc_start "$pid")" ] && [ "$(proc_start "$pid")" = "$(field owner_start "$lock")" ] && return 0
+    proc_start "$pid"; field owner_start "$lock"
+    [ -n "$start" ] && [ "$start" = "$value" ] && return 0
     why=busy
     busy
 }
@@ -53,41 +59,43 @@ guard() {
     exec 9>>"$state/lock.guard"
     flock -w 60 9 || { echo "servestack: timed out waiting for $state/lock.guard" >&2; exit 1; }
 }
-session_process() {   # the sshd process this shell runs under, or null
-    p=$$
+session_process() {   # $owner: the sshd process this shell runs under, or null
+    p=$$ owner=null
     while [ "$p" -gt 1 ] 2>/dev/null; do
-        case "$(first_line /proc/$p/comm)" in sshd|sshd-session) echo "$p"; return ;; esac
-        l=$(first_line /proc/$p/stat); set -- ${l##*) }; p=${2:-0}
+        first_line "/proc/$p/comm"
+        case "$line" in sshd|sshd-session) owner=$p; return ;; esac
+        first_line "/proc/$p/stat"; set -- ${line##*) }; p=${2:-0}
     done
-    echo null
 }
 
 case $1 in
 read)
     [ -f "$lock" ] || exit 0
-    printf 'lock %s\n' "$(first_line "$lock")"
+    first_line "$lock"; printf 'lock %s\n' "$line"
     if lock_alive; then echo "lock_alive 1 $why"; else echo lock_alive 0; fi
-    if [ -f "$lock.activity" ]; then printf 'activity %s\n' "$(first_line "$lock.activity")"; fi
+    if [ -f "$lock.activity" ]; then first_line "$lock.activity"; printf 'activity %s\n' "$line"; fi
     ;;
 take)
     run=$3 controller=$4 started=$5
     [ -d "$state" ] || mkdir -p -m 755 "$state" || exit 1
     guard
     if [ -f "$lock" ]; then
-        [ "$(field run_id "$lock")" = "$run" ] && { echo ours; exit 0; }
-        lock_alive && { printf 'held %s\n' "$(first_line "$lock")"; exit 3; }
-        printf 'stale %s\n' "$(first_line "$lock")"
+        field run_id "$lock"
+        [ "$value" = "$run" ] && { echo ours; exit 0; }
+        lock_alive && { first_line "$lock"; printf 'held %s\n' "$line"; exit 3; }
+        first_line "$lock"; printf 'stale %s\n' "$line"
         stamp=$(date -u +%Y%m%dT%H%M%SZ)
         mv "$lock" "$lock.stale-$stamp"
         if [ -f "$lock.activity" ]; then
-            printf 'activity %s\n' "$(first_line "$lock.activity")"
+            first_line "$lock.activity"; printf 'activity %s\n' "$line"
             mv "$lock.activity" "$lock.activity.stale-$stamp"
         fi
     fi
-    owner=$(session_process) start=
-    [ "$owner" = null ] || start=$(proc_start "$owner")
+    session_process; start=
+    [ "$owner" = null ] || proc_start "$owner"
+    boot_id
     printf '{"run_id": "%s", "controller": "%s", "started": "%s", "pid": %s, "owner_start": "%s", "boot_id": "%s"}\n' \
-        "$run" "$controller" "$started" "$owner" "$start" "$(boot_id)" > "$lock.new.$$" && mv "$lock.new.$$" "$lock" || exit 1
+        "$run" "$controller" "$started" "$owner" "$start" "$boot" > "$lock.new.$$" && mv "$lock.new.$$" "$lock" || exit 1
     echo taken
     ;;
 release)
@@ -95,7 +103,8 @@ release)
     [ -d "$state" ] || { echo not-ours; exit 0; }
     exec 9>>"$state/lock.guard"
     command -v flock >/dev/null 2>&1 && flock -w 60 9
-    if [ -f "$lock" ] && [ "$(field run_id "$lock")" = "$run" ]; then rm -f "$lock" && echo released; else echo not-ours; fi
+    field run_id "$lock"
+    if [ -f "$lock" ] && [ "$value" = "$run" ]; then rm -f "$lock" && echo released; else echo not-ours; fi
     ;;
 *)
     echo "lock.sh: unknown action '$1' (read, take, release)" >&2; exit 2 ;;

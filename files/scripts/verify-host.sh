@@ -38,8 +38,17 @@ set -u
 
 say() { printf '%s\t%s\n' "$1" "$2"; }
 
-# readlink -f, with builtins for a directory (cd -P, pwd -P: no program to start)
-resolved() { (cd -P -- "$1" 2>/dev/null && pwd -P) || readlink -f -- "$1"; }
+# $resolved: readlink -f of $1, for a directory by the shell's own cd -P (and back): no program
+# and no subshell (`$(...)` of a function is a fork)
+resolve() {
+    local back=$PWD
+    if cd -P -- "$1" 2>/dev/null; then
+        resolved=$PWD
+        cd -- "$back" || exit 1
+    else
+        resolved=$(readlink -f -- "$1")
+    fi
+}
 
 device_nodes() {
     local node
@@ -83,28 +92,29 @@ toolkit_package() {
 }
 
 toolkit_path() {
-    local path
-    path=$(resolved "$CUDA")
-    if [ -n "$path" ]; then say toolkit_path "$path"; fi
+    resolve "$CUDA"
+    if [ -n "$resolved" ]; then say toolkit_path "$resolved"; fi
 }
 
 active_release() {
     [ -d "$VENV" ] || return
-    local venv dir name site
-    venv=$(resolved "$VENV")
+    local venv dir name site records=() line
+    resolve "$VENV"
+    venv=$resolved
     [ -n "$venv" ] || return
     say venv "$venv"
     dir=${venv%/*}
     dir=${dir:-/}
     for name in $RECORDS; do
-        if [ -f "$dir/$name" ]; then say record "$dir/$name"; fi
+        if [ -f "$dir/$name" ]; then say record "$dir/$name"; records+=("$name"); fi
     done
     for site in "$venv"/lib/python3*/site-packages; do
         if [ -d "$site" ]; then say release_state "$site $(stat -c %Y -- "$site")"; fi
     done
-    for name in $RECORDS; do
-        if [ -f "$dir/$name" ]; then say release_state "$(cd -- "$dir" && sha256sum -- "$name")"; fi
-    done
+    [ ${#records[@]} -gt 0 ] || return 0
+    while IFS= read -r line; do
+        say release_state "$line"
+    done < <(cd -- "$dir" && sha256sum -- "${records[@]}")
 }
 
 declare -A property=()
@@ -150,19 +160,34 @@ secret_values_in() {
         { for (v in vals) if (index($0, v)) { n++; break } } END { print n + 0 }'
 }
 
+# $text: the files' lines, read by the shell; fails when one cannot be read
+read_files() {
+    local file line
+    text=
+    for file in "$@"; do
+        [ -f "$file" ] && [ -r "$file" ] || return 1
+        while IFS= read -r line || [ -n "$line" ]; do text+=$line$'\n'; done < "$file"
+    done
+}
+
 # The unit as systemd reads it: its fragment and drop-ins (what `systemctl cat` prints).
 unit_secrets() {
-    local fragment=${property[FragmentPath]:-} text pattern
-    if [ -z "$fragment" ] || ! text=$(set -f; cat -- "$fragment" ${property[DropInPaths]:-} 2>/dev/null); then
+    local fragment=${property[FragmentPath]:-} pattern line count=0 files
+    set -f
+    files=(${property[DropInPaths]:-})
+    set +f
+    if [ -z "$fragment" ] || ! read_files "$fragment" "${files[@]}"; then
         say unit_files unreadable
         return
     fi
+    text=${text%$'\n'}
     if [ -n "$SECRET_NAMES" ]; then
         pattern="(^|[ =\"])(${SECRET_NAMES// /|})="
-        say unit_secret_names "$(printf '%s\n' "$text" | grep -cE -- "$pattern")"
-    else
-        say unit_secret_names 0
+        while IFS= read -r line; do
+            if [[ $line =~ $pattern ]]; then count=$((count + 1)); fi
+        done <<<"$text"
     fi
+    say unit_secret_names "$count"
     if [ -r "$SECRETS_FILE" ]; then
         say unit_secret_values "$(printf '%s\n' "$text" | secret_values_in "$SECRETS_FILE")"
     fi

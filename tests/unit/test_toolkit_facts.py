@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -239,3 +240,100 @@ def test_resolved_path_prints_what_readlink_f_prints(tmp_path):
         ours = subprocess.run(["sh", "-c", resolved_path(word)], capture_output=True, text=True)
         real = subprocess.run(["sh", "-c", f"readlink -f {word}"], capture_output=True, text=True)
         assert (ours.stdout, ours.returncode) == (real.stdout, real.returncode), name
+
+
+def logging_path(tmp_path, names) -> tuple[dict, Path]:
+    """A PATH whose `names` log their name to a file, then run the real program."""
+    import shutil
+
+    bin_dir, log = tmp_path / "logging-bin", tmp_path / "started"
+    bin_dir.mkdir()
+    for name in names:
+        real = shutil.which(name)
+        if real:
+            (bin_dir / name).write_text(f"#!/bin/sh\necho {name} >> {log}\nexec {real} \"$@\"\n")
+            (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, log
+
+
+def converged_toolkits(tmp_path) -> dict:
+    """A converged host's toolkits under tmp_path: 13.0 and the kept 12.8 (stand-in trees), the link
+    through an alternatives link, the record, a cached runfile (one with a space in its name)."""
+    install = write_toolkit_tree(tmp_path / "cuda-13.0", version="13.0.1", nvcc_version="13.0.88")
+    kept = write_toolkit_tree(tmp_path / "cuda-12.8")
+    (tmp_path / "alternatives").mkdir()
+    (tmp_path / "alternatives" / "cuda").symlink_to(install)
+    (tmp_path / "cuda").symlink_to("alternatives/cuda")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "toolkits.json").write_text('{"schema": 1,\n "target": {"version": "13.0.1"}}\n')
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "cuda.run").write_bytes(b"runfile")
+    (cache / "pre staged.run").write_bytes(b"staged")
+    return {"install_path": str(install), "keep_paths": (str(kept), str(tmp_path / "cuda-12.6")),
+            "link_path": str(tmp_path / "cuda"), "state_dir": str(state) + "/",
+            "files": (str(cache / "cuda.run"), str(cache / "cuda.run.part"), str(cache / "pre staged.run"))}
+
+
+def test_the_toolkits_state_of_a_converged_host(tmp_path):
+    """Each part of CudaToolkits against what Python reads of the same files."""
+    arguments = converged_toolkits(tmp_path)
+    state = fact_output(CudaToolkits(), **arguments)
+    assert state.arch == os.uname().machine
+    assert state.install.exists and not state.install.empty and state.install.nvcc.version == "13.0.88"
+    assert state.install.version_json == json.loads((tmp_path / "cuda-13.0" / "version.json").read_text())
+    assert state.kept == {str(tmp_path / "cuda-12.8"): True, str(tmp_path / "cuda-12.6"): False}
+    assert state.link == LinkChain(str(tmp_path / "cuda"),
+                                   ((str(tmp_path / "cuda"), "alternatives/cuda"),
+                                    (str(tmp_path / "alternatives/cuda"), str(tmp_path / "cuda-13.0"))),
+                                   str(tmp_path / "cuda-13.0"), "link")
+    assert state.record == {"schema": 1, "target": {"version": "13.0.1"}} and state.marker is None
+    for path in arguments["files"]:
+        if os.path.exists(path):
+            stat = os.stat(path)
+            assert (state.files[path].size, state.files[path].mtime, state.files[path].inode) == (
+                stat.st_size, int(stat.st_mtime), stat.st_ino)
+        else:
+            assert state.files[path] is None
+
+
+def test_the_toolkits_state_starts_only_uname_nvcc_readlink_and_one_stat(tmp_path):
+    """It runs twice on every converge: builtins read the small files, resolve the link's directory
+    and test the trees; one `stat` serves every runfile path."""
+    arguments = converged_toolkits(tmp_path)
+    env, log = logging_path(tmp_path, ("uname", "readlink", "stat", "tr", "sed", "head", "cat", "grep", "dpkg",
+                                       "pwd", "ls", "find"))
+    nvcc = Path(arguments["install_path"]) / "bin" / "nvcc"
+    text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    nvcc.write_text(f"#!/bin/sh\necho nvcc >> {log}\nprintf '%s' {shlex.quote(text)}\n")   # no `cat`
+    result = subprocess.run(["sh", "-c", CudaToolkits().command(**arguments)], capture_output=True, text=True,
+                            env=env, check=True)
+    assert "tree_nvcc_exit 0" in result.stdout.splitlines()
+    # readlink: the link, then its hop through alternatives
+    assert sorted(log.read_text().split()) == ["nvcc", "readlink", "readlink", "stat", "uname"]
+
+
+def test_a_tree_without_version_json_is_judged_by_the_dpkg_package_that_lists_its_nvcc(tmp_path):
+    """dpkg -S runs only when one grep over the package lists finds bin/nvcc there."""
+    tree = write_toolkit_tree(tmp_path / "cuda-13.0", version="13.0.1", nvcc_version="13.0.88")
+    (tree / "version.json").unlink()
+    admin = tmp_path / "dpkg"
+    (admin / "info").mkdir(parents=True)
+    (admin / "diversions").write_text("")
+    bin_dir, log = tmp_path / "bin", tmp_path / "dpkg.log"
+    bin_dir.mkdir()
+    (bin_dir / "dpkg").write_text(f"#!/bin/sh\necho \"$@\" >> {log}\necho \"cuda-nvcc-13-0: $2\"\n")
+    (bin_dir / "dpkg").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DPKG_ADMINDIR": str(admin)}
+
+    def tree_read():
+        out = subprocess.run(["sh", "-c", CudaToolkits().command(str(tree), (), str(tmp_path / "cuda"),
+                                                                  str(tmp_path / "state"))],
+                             capture_output=True, text=True, env=env, check=True).stdout
+        return parse_tree(str(tree), out.splitlines())
+
+    assert tree_read().dpkg_owner is None and not log.exists()
+    (admin / "info" / "cuda-nvcc-13-0.list").write_text(f"/usr\n{tree}/bin/nvcc\n")
+    assert tree_read().dpkg_owner == "cuda-nvcc-13-0"
+    assert log.read_text() == f"-S {tree}/bin/nvcc\n"

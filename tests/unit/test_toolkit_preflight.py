@@ -30,7 +30,7 @@ from facts.host import (
 from facts.batch import FactRequest
 from facts.preflight import PreflightFacts
 from facts.toolkit import (CudaToolkits, Digest, FileStat, LinkChain, NvccVersion, ToolkitState, Tree,
-                           dpkg_may_own, toolkits_command)
+                           toolkits_command)
 from operations.preflight import CHECKS, disk_needs, evaluate, host_reads, problems_of, read_preflight
 from operations.toolkit import kept_paths, runfile_candidates, runfile_toolkit, toolkit_fact_arguments
 from servestack.doctor import render_json, report_for
@@ -308,16 +308,6 @@ def test_preflight_reads_the_toolkits_as_the_toolkit_steps_own_fact():
     toolkit_section = toolkits_command(s.cuda_install_path, kept_paths(s), "/usr/local/cuda", s.servestack_state_dir,
                                        tuple(runfile_candidates(s)))
     assert [request.cls for request in requests if toolkit_section in request.command()] == [CudaToolkits]
-
-
-@pytest.mark.skipif(not shutil.which("dpkg"), reason="no dpkg on this machine: nothing to compare with")
-def test_the_package_list_test_agrees_with_dpkg(tmp_path):
-    owned = subprocess.run(["dpkg", "-L", "dpkg"], capture_output=True, text=True).stdout.split()
-    owned_file = next(path for path in owned if os.path.isfile(path) and not os.path.islink(path))
-    for path in (owned_file, str(tmp_path / "nvcc"), "/usr/local/cuda-13.0/bin/nvcc"):
-        dpkg = subprocess.run(["dpkg", "-S", path], capture_output=True, text=True).returncode == 0
-        test = subprocess.run(["sh", "-c", f'n="$1"; {dpkg_may_own(chr(34) + "$n" + chr(34))}', "sh", path]).returncode == 0
-        assert test == dpkg, path
 
 
 def test_the_lock_names_its_sshd_session_and_takes_and_releases_without_helper_programs(tmp_path):

@@ -1,0 +1,159 @@
+# cuda-toolkits.sh state INSTALL_PATH LINK_PATH STATE_DIR [KEEP_PATH...] -- [FILE...]
+# cuda-toolkits.sh fingerprint PATH
+#
+# What facts/toolkit.py reads of a host's CUDA toolkits. Reads only. `state` runs on every
+# converge, twice (CudaToolkits, at prepare and at execute) and `fingerprint` once per kept
+# toolkit (ToolkitFingerprint, in the verify step): both use builtins where a program would do the
+# same, since every program started is host CPU on every converge.
+#
+# state: the lines `parse_toolkits` reads:
+#   arch X                      uname -m
+#   tree_*                      the tree at INSTALL_PATH (see tree below)
+#   keep 0|1 PATH               per KEEP_PATH: 1 when it is a directory
+#   hop LINK -> TARGET          per symlink hop from LINK_PATH (at most 16), then
+#   link_kind K                 dangling | link | directory | file | absent, and unless absent
+#   link_resolved PATH          LINK_PATH resolved (readlink -f)
+#   record JSON / marker JSON   STATE_DIR/toolkits.json / toolkit-install.json on one line, when
+#                               they are files
+#   file SIZE MTIME INODE PATH  per FILE that is a file, else `nofile PATH`
+#
+# fingerprint: `fp_absent` when PATH is not a directory; otherwise `fp_present`, the nvcc lines
+# (`fp_nvcc_exit N`, `fp_nvcc LINE`...), `fp_version_json JSON` when there is one, and
+# `fp_files N SHA256`: the number of entries under PATH and the sha256 of their sorted list
+# (`f<TAB>path<TAB>size`, `l<TAB>path<TAB>target`, `<type><TAB>path`, one a line, then a newline).
+#
+# Exit: 0 (what is absent is reported as absent); 2 for an unknown action.
+set -u
+
+# `KEY TEXT`: the file $2's text on one line (its line breaks dropped, as `tr -d '\n'` does),
+# read by the shell (no subshell: `$(...)` of a function is a fork)
+one_line() {
+    local line text=
+    while IFS= read -r line || [ -n "$line" ]; do text+=$line; done < "$2"
+    printf '%s %s\n' "$1" "$text"
+}
+
+# PREFIX_nvcc_exit and PREFIX_nvcc lines of `DIR/bin/nvcc --version`, when there is one
+nvcc_lines() {
+    local prefix=$1 nvcc=$2/bin/nvcc out rc line
+    [ -e "$nvcc" ] || return 0
+    out=$("$nvcc" --version 2>&1)
+    rc=$?
+    echo "${prefix}_nvcc_exit $rc"
+    while IFS= read -r line; do echo "${prefix}_nvcc $line"; done <<<"$out"
+}
+
+# The toolkit tree at $1: tree_symlink, tree_empty|tree_exists, the nvcc lines, tree_version_json
+# or (no version.json, dpkg owns bin/nvcc) tree_dpkg; tree_exists + tree_nvcc_exit 127 for a path
+# that is not a directory; tree_absent.
+tree() {
+    local path=$1 entry state=tree_empty admin=${DPKG_ADMINDIR:-/var/lib/dpkg}
+    if [ -L "$path" ]; then echo "tree_symlink $(readlink -- "$path")"; fi
+    if [ -d "$path" ]; then
+        for entry in "$path"/* "$path"/.[!.]* "$path"/..?*; do
+            if [ -e "$entry" ] || [ -L "$entry" ]; then state=tree_exists; break; fi
+        done
+        echo "$state"
+        nvcc_lines tree "$path"
+        if [ -f "$path/version.json" ]; then
+            one_line tree_version_json "$path/version.json"
+        # one grep over dpkg's package lists answers "no" without loading dpkg's database
+        elif command -v dpkg >/dev/null 2>&1 \
+                && grep -qsFx -- "$path/bin/nvcc" "$admin"/info/*.list "$admin"/diversions; then
+            dpkg -S "$path/bin/nvcc" 2>/dev/null | head -n 1 | sed 's/^/tree_dpkg /'
+        fi
+    elif [ -e "$path" ]; then
+        echo tree_exists
+        echo "tree_nvcc_exit 127"
+    else
+        echo tree_absent
+    fi
+}
+
+# `link_resolved` readlink -f of $1: a directory by the shell's own cd -P (and back)
+print_resolved() {
+    local back=$PWD
+    if cd -P -- "$1" 2>/dev/null; then
+        echo "link_resolved $PWD"
+        cd -- "$back" || exit 1
+    else
+        echo "link_resolved $(readlink -f -- "$1")"
+    fi
+}
+
+link_chain() {
+    local link=$1 path=$1 target hops=0 kind
+    while [ -L "$path" ] && [ "$hops" -lt 16 ]; do
+        target=$(readlink -- "$path")
+        echo "hop $path -> $target"
+        case $target in /*) path=$target ;; *) path=${path%/*}/$target ;; esac
+        hops=$((hops + 1))
+    done
+    if [ -L "$link" ] && [ ! -e "$link" ]; then kind=dangling
+    elif [ -L "$link" ]; then kind=link
+    elif [ -d "$link" ]; then kind=directory
+    elif [ -e "$link" ]; then kind=file
+    else kind=absent
+    fi
+    echo "link_kind $kind"
+    if [ -e "$link" ]; then print_resolved "$link"; fi
+}
+
+# `file SIZE MTIME INODE PATH` or `nofile PATH`, in the order given: one stat for all the files
+file_stats() {
+    local path present=()
+    for path in "$@"; do
+        if [ -f "$path" ]; then present+=("$path"); fi
+    done
+    declare -A stats=()
+    if [ ${#present[@]} -gt 0 ]; then
+        local size mtime inode name
+        while IFS=' ' read -r size mtime inode name; do
+            stats[$name]="$size $mtime $inode"
+        done < <(stat -c '%s %Y %i %n' -- "${present[@]}")
+    fi
+    for path in "$@"; do
+        if [ -n "${stats[$path]+set}" ]; then echo "file ${stats[$path]} $path"; else echo "nofile $path"; fi
+    done
+}
+
+state() {
+    local install=$1 link=$2 state_dir=${3%/} keep
+    shift 3
+    echo "arch $(uname -m)"
+    tree "$install"
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do
+        if [ -d "$1" ]; then keep=1; else keep=0; fi
+        echo "keep $keep $1"
+        shift
+    done
+    [ $# -gt 0 ] && shift
+    link_chain "$link"
+    if [ -f "$state_dir/toolkits.json" ]; then one_line record "$state_dir/toolkits.json"; fi
+    if [ -f "$state_dir/toolkit-install.json" ]; then one_line marker "$state_dir/toolkit-install.json"; fi
+    file_stats "$@"
+}
+
+fingerprint() {
+    local path=$1 list digest IFS
+    if [ ! -d "$path" ]; then echo fp_absent; return; fi
+    echo fp_present
+    nvcc_lines fp "$path"
+    if [ -f "$path/version.json" ]; then one_line fp_version_json "$path/version.json"; fi
+    list=$(find "$path/" -mindepth 1 \( -type f -printf 'f\t%P\t%s\n' \) -o \( -type l -printf 'l\t%P\t%l\n' \) \
+        -o -printf '%y\t%P\n' | LC_ALL=C sort)
+    digest=$(sha256sum <<<"$list")
+    # the entries: the list's non-empty lines, counted by the shell's own word splitting
+    IFS=$'\n'
+    set -f
+    set -- $list
+    set +f
+    echo "fp_files $# ${digest%% *}"
+}
+
+case ${1:-} in
+state) shift; state "$@" ;;
+fingerprint) fingerprint "$2" ;;
+*) echo "cuda-toolkits.sh: unknown action '${1:-}' (state, fingerprint)" >&2; exit 2 ;;
+esac
+exit 0
