@@ -53,7 +53,7 @@ class FactRequest:
     def of(cls, fact_cls: type, **kwargs) -> "FactRequest":
         return cls(fact_cls, tuple(sorted(kwargs.items())))
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         return f"{self.cls.__module__}.{self.cls.__name__}({json.dumps(self.kwargs, default=_keyable)})"
 
@@ -67,26 +67,26 @@ class FactRequest:
 
     def command(self) -> str:
         """The fact's command as pyinfra runs it, with its `requires_command` guard."""
-        return self._command
+        return self._rendered[1]
 
     @functools.cached_property
-    def _command(self) -> str:
+    def _rendered(self) -> tuple[FactBase, str]:
+        """(the fact, its command): as in pyinfra, one fact object renders the command and then
+        processes the output (some facts keep their arguments for `process`: Sha256File its path)."""
         fact, kwargs = self.cls(), dict(self.kwargs)
         command = _text(_called(fact.command, kwargs))
         required = _called(fact.requires_command, kwargs)
         if required:
             command = (f"if command -v {_text(required)} >/dev/null 2>&1; then ( {command}\n); "
                        f"else echo {shlex.quote(MISSING_COMMAND_MARKER)}; fi")
-        return command
+        return fact, command
 
     def value(self, section: Section):
         """The fact's value from its section, as `host.get_fact` makes it; raises `Unread` when the
         command failed (pyinfra's own reading then reports the failure)."""
         if not section.ok or list(section.lines) == [MISSING_COMMAND_MARKER]:
             raise Unread(self)
-        fact = self.cls()
-        # some facts keep their arguments for `process` (pyinfra's Sha256File: path)
-        _called(fact.command, dict(self.kwargs))
+        fact = self._rendered[0]
         if not section.lines:
             return copy.deepcopy(fact.default())
         try:

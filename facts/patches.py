@@ -66,11 +66,16 @@ def _packed(text: str) -> str:
     return base64.b64encode(zlib.compress(text.encode(), 9)).decode()
 
 
-def set_digests(package: str, patch_root: str | Path = PATCH_ROOT) -> dict[str, str]:
-    """{version: sha256 of the engine's source and that version's set}: what judged a set in place."""
-    engine = Path(patchlib.__file__).read_text()
+def engine_source() -> str:
+    """The check's engine, servestack/patchlib.py, as it ships to the host."""
+    return Path(patchlib.__file__).read_text()
+
+
+def set_digests(sets: dict, engine: str) -> dict[str, str]:
+    """{version: sha256 of the engine's source and that version's set}, for `load_patch_sets`'
+    answer: what judged a set in place."""
     return {version: hashlib.sha256(json.dumps({"engine": engine, "set": patch_set}, sort_keys=True).encode())
-            .hexdigest() for version, patch_set in load_patch_sets(package, patch_root).items()}
+            .hexdigest() for version, patch_set in sets.items()}
 
 
 def remote_command(python: str, mode: str, package: str, record_path: str | None, patch_root: str | Path,
@@ -84,7 +89,9 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
     A check with a record path first confirms the sums a set in place left (see the module
     docstring), unless `quick` is False.
     """
-    shared = _shared_payload(package, str(patch_root))
+    sets, engine = load_patch_sets(package, patch_root), engine_source()
+    digests = set_digests(sets, engine)
+    shared = json.dumps({"sets": sets, "digests": digests, "engine": engine})
     own = json.dumps({"mode": mode, "package": package, "record_path": record_path})
     script = "\n".join(
         [
@@ -100,17 +107,11 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
     )
     absent = json.dumps({"python": python, "package": package, "installed": False, "python_missing": True})
     quick = quick and mode == "check" and bool(record_path)
-    headers = dict.fromkeys(f"{patchlib.SUMS_HEADER} {digest}" for digest in set_digests(package, patch_root).values())
+    headers = dict.fromkeys(f"{patchlib.SUMS_HEADER} {digest}" for digest in digests.values())
     env = {"PYTHON": python, "ABSENT": absent, "RECORD": record_path or "",
            "SUMS": patchlib.sums_path(record_path) if quick else "", "HEADERS": "\n".join(headers),
            "HOLD": SUMS_HOLD}
     return f"{script_command(SCRIPT, env=env)} <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}"
-
-
-def _shared_payload(package: str, patch_root: str) -> str:
-    """The part of the payload every host gets: the package's patch sets and their digests, the engine."""
-    return json.dumps({"sets": load_patch_sets(package, patch_root), "digests": set_digests(package, patch_root),
-                       "engine": Path(patchlib.__file__).read_text()})
 
 
 def sums_write_command(record_path: str, sums: str) -> str:

@@ -279,6 +279,20 @@ class FileText(FactBase):
         return "\n".join(output)
 
 
+class KeepsItsPath(FactBase):
+    """Like pyinfra's Sha256File: `command` keeps its argument for `process`; counts its renders."""
+
+    renders = 0
+
+    def command(self, path):
+        KeepsItsPath.renders += 1
+        self.path = path
+        return "echo found"
+
+    def process(self, output):
+        return f"{output[0]} {self.path}"
+
+
 def local_host(monkeypatch, also_fake: bool = False):
     """The @local host of a connected State (with a @fake host beside it: the State then goes on
     when the local one fails); `.ran` lists the commands it ran."""
@@ -361,3 +375,11 @@ def test_after_an_operation_changed_the_host_a_batched_read_sees_the_change(monk
     assert seen == [("before", False, "before"), ("after", False, "before"),
                     ("before", True, "before"), ("after", True, "after")]
     assert reads.commands(local) == 2      # execute's: one before the change, one after
+
+
+def test_one_fact_object_renders_the_command_and_processes_its_output(monkeypatch, tmp_path):
+    local, ran = local_host(monkeypatch)
+    KeepsItsPath.renders = 0
+    requests = [FactRequest.of(KeepsItsPath, path=str(tmp_path / name)) for name in ("a", "b")]
+    assert reads.read(local, requests) == [f"found {tmp_path / 'a'}", f"found {tmp_path / 'b'}"]
+    assert len(ran) == 1 and KeepsItsPath.renders == 2  # once each: not again to process the output
