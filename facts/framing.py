@@ -10,7 +10,7 @@ A section is printed as::
 The empty line keeps output without a final newline apart from the end marker; `split` drops it,
 so a section's lines are what pyinfra would have read from the command alone (blank lines
 included). RC is the command's exit status. Python builds sections with `framed`; shell scripts
-in files/scripts define the same `section` function (`SECTION_FUNCTION`), so one parser serves both.
+in files/scripts with files/scripts/helpers.sh's `section`, so one parser serves both.
 """
 
 from __future__ import annotations
@@ -20,12 +20,6 @@ from dataclasses import dataclass
 
 BEGIN = "@@servestack begin "
 END = "@@servestack end "
-
-# The same framing for scripts in files/scripts: `section NAME COMMAND...` (a test checks they agree).
-SECTION_FUNCTION = (
-    "section() { local name=$1; shift; echo \"@@servestack begin $name\"; ( \"$@\" ) </dev/null; "
-    "printf '\\n@@servestack end %s %s\\n' \"$name\" \"$?\"; }"
-)
 
 
 @dataclass(frozen=True)

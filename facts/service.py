@@ -170,23 +170,6 @@ def parse_record(lines: list[str]) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-class UserEntry(FactBase):
-    """
-    The passwd entry of a user as ``{"uid": int, "home": str, "shell": str}``, or None.
-
-    + user: the user's name
-    """
-
-    def command(self, user: str) -> str:
-        return f"getent passwd {shlex.quote(user)} || true"
-
-    def process(self, output):
-        fields = output[0].split(":") if output else []
-        if len(fields) < 7:
-            return None
-        return {"uid": int(fields[2]), "home": fields[5], "shell": fields[6]}
-
-
 class UserAccount(Users):
     """
     pyinfra's ``Users`` fact for one user: ``{user: {"home", "shell", "comment", "group", "groups", ...}}``

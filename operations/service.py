@@ -48,7 +48,7 @@ from pyinfra.operations.util.files import generate_color_diff
 
 from facts.batch import FactRequest
 from facts.service import (PatchsetDigest, PathOwner, Releases, ServiceRecord, UnitState, UnreadableBy,
-                           UserAccount, UserEntry, VenvTarget, release_id_of)
+                           UserAccount, VenvTarget, release_id_of)
 from operations.releases import Release, release_at
 from servestack import bench, reads
 from servestack.errors import ConfigError
@@ -484,9 +484,9 @@ def local_model_paths(settings: Settings) -> list[str]:
 
 def deploy_reads(settings: Settings) -> list[FactRequest]:
     """What `sglang_service` itself decides from when deploy.py runs (its operations read the rest):
-    the service user's passwd entry, the host's groups, where venv_path points before this run."""
+    the service user's account, the host's groups, where venv_path points before this run."""
     return [FactRequest.of(Groups),
-            FactRequest.of(UserEntry, user=settings.service_user),
+            FactRequest.of(UserAccount, user=settings.service_user),
             FactRequest.of(VenvTarget, path=settings.venv_path)]
 
 
@@ -497,7 +497,6 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
     paths) are not listed."""
     requests = [
         *deploy_reads(settings),
-        FactRequest.of(UserAccount, user=settings.service_user),
         FactRequest.of(Directory, path=home_dir(settings)),
         FactRequest.of(Sha256File, path=secrets_path(settings)),
         FactRequest.of(Which, command="curl"),
@@ -784,7 +783,7 @@ def sglang_service(release: Release):
 
 
 def _login_user_problem(settings: Settings) -> str | None:
-    entry = reads.fact(host, UserEntry, user=settings.service_user)
+    entry = reads.fact(host, UserAccount, user=settings.service_user).get(settings.service_user)
     if entry and entry["uid"] >= FIRST_LOGIN_UID:
         return (f"'service_user': {settings.service_user} is an existing login user (uid {entry['uid']}); "
                 "the service runs as a dedicated system user: pick a name that does not exist yet "

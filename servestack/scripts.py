@@ -3,7 +3,9 @@
 Every non-trivial host-side script lives in files/scripts/NAME.sh with its contract (inputs,
 outputs, exit codes) at its top. Python renders only the inputs: environment variables and
 arguments, quoted. The script's text travels in the command itself (`bash -c TEXT NAME ARGS...`),
-so nothing is uploaded and the command is the same on every host.
+so nothing is uploaded and the command is the same on every host. The shell functions the scripts
+share are in files/scripts/helpers.sh: a script's line `source ".../helpers.sh"` (HELPERS_LINE) is
+replaced by that file's text.
 """
 
 from __future__ import annotations
@@ -15,11 +17,17 @@ from pathlib import Path
 from pyinfra.api import StringCommand
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "files" / "scripts"
+HELPERS = "helpers.sh"
+HELPERS_LINE = 'source "${BASH_SOURCE[0]%/*}/helpers.sh"'
 
 
 @functools.cache
 def script_text(name: str) -> str:
-    return (SCRIPTS / name).read_text()
+    """The script as it is sent to a host: its text, with the helpers in place of a line that
+    sources them."""
+    lines = (SCRIPTS / name).read_text().splitlines(keepends=True)
+    helpers = (SCRIPTS / HELPERS).read_text()
+    return "".join(helpers if line.rstrip("\n") == HELPERS_LINE else line for line in lines)
 
 
 def script_command(name: str, *args, env: dict | None = None) -> str:

@@ -12,17 +12,18 @@
 # holds lock.busy; 1 when flock is missing.
 state=${1%/}; run=$2; step=$3; shift 3
 trap '' HUP PIPE   # from the start: the run's connection may go any time now
-command -v flock >/dev/null 2>&1 || { echo "servestack: 'flock' (util-linux) is needed on the host" >&2; exit 1; }
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+require flock util-linux
 mkdir -p -m 755 "$state" || exit 1
 exec 8>>"$state/lock.busy"
 if ! flock -n 8; then
-    activity=; { IFS= read -r activity < "$state/lock.activity"; } 2>/dev/null
-    echo "busy ${activity:-{\}}" >&2
+    first_line "$state/lock.activity"
+    echo "busy ${line:-{\}}" >&2
     exit 75
 fi
-printf '{"run_id": "%s", "step": "%s", "since": "%s", "pid": %s}\n' \
-    "$run" "$step" "$(date -u +%Y%m%dT%H%M%SZ)" "$$" > "$state/lock.activity.new.$$" \
-    && mv -f "$state/lock.activity.new.$$" "$state/lock.activity"
+utc_stamp
+printf -v activity '{"run_id": "%s", "step": "%s", "since": "%s", "pid": %s}' "$run" "$step" "$stamp" "$$"
+write_atomically "$state/lock.activity" "$activity"
 "$@"
 status=$?
 rm -f "$state/lock.activity"

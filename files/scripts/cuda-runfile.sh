@@ -24,8 +24,7 @@
 #                      FILE"). Exit 0; non-zero if it cannot move it.
 set -u
 
-say() { echo "servestack: $*" >&2; }
-progress() { echo "servestack: $*"; }   # stdout: the deploy streams it to the operator
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
 human() { numfmt --to=iec-i --suffix=B "$1" 2>/dev/null || echo "$1 bytes"; }
 
 watch_download() {   # PART PID: a line every SS_PROGRESS_EVERY s (default 5) while PID runs: bytes, rate, ETA
@@ -40,13 +39,14 @@ watch_download() {   # PART PID: a line every SS_PROGRESS_EVERY s (default 5) wh
         progress "downloaded $(human "$now") of $(human "$SS_RUNFILE_SIZE") ($(( now * 100 / SS_RUNFILE_SIZE ))%), $(human "$rate")/s, ETA $eta"
     done
 }
-ts=$(date -u +%Y%m%dT%H%M%SZ)
+utc_stamp
+ts=$stamp
 
 move_to_rejected() {   # PATH: leaves PATH.rejected-$ts, the only rejected copy of the runfile
     local base=${1%.part} old
     for old in "$base".rejected-* "$base".part.rejected-*; do
         [ -e "$old" ] || continue
-        rm -f -- "$old" && say "removed the older rejected copy $old (only the newest rejected runfile is kept)"
+        rm -f -- "$old" && message "removed the older rejected copy $old (only the newest rejected runfile is kept)"
     done
     mv -f -- "$1" "$1.rejected-$ts"
 }
@@ -55,17 +55,13 @@ download() {
     local part=$1 attempts=${SS_ATTEMPTS:-5} n=0 rc=0 have
     mkdir -p -- "$(dirname -- "$part")" || exit 1
     if [ -n "${SS_BUSY_FILE:-}" ]; then
-        exec 8>>"$SS_BUSY_FILE"
-        if command -v flock >/dev/null 2>&1 && ! flock -n 8; then
-            say "another download or install is still running on this host"
-            exit 1
-        fi
+        hold_busy_file "$SS_BUSY_FILE" "another download or install is still running on this host"
     fi
     while :; do
         have=$(stat -c %s -- "$part" 2>/dev/null || echo 0)
         [ "$have" -ge "$SS_RUNFILE_SIZE" ] && break
         if [ $n -ge "$attempts" ]; then
-            say "download of $SS_RUNFILE_URL failed (curl exit $rc) after $n attempts; $have bytes kept in $part, resumed by the next run"
+            message "download of $SS_RUNFILE_URL failed (curl exit $rc) after $n attempts; $have bytes kept in $part, resumed by the next run"
             exit 1
         fi
         n=$((n + 1))
@@ -80,7 +76,7 @@ download() {
 
 verify() {
     local path=$1 dest=${2:-} size sums md5 sha bad=""
-    [ -f "$path" ] || { say "runfile $path is missing"; exit 1; }
+    [ -f "$path" ] || { message "runfile $path is missing"; exit 1; }
     size=$(stat -c %s -- "$path")
     sums=$( { md5sum -- "$path" & sha256sum -- "$path"; wait; } )
     # md5sum and sha256sum prefix the line with "\" when the name needs escaping
@@ -91,10 +87,10 @@ verify() {
     [ -n "$bad" ] || [ "$sha" = "$SS_RUNFILE_SHA256" ] || bad="sha256 $sha, expected $SS_RUNFILE_SHA256"
     if [ -n "$bad" ]; then
         if [ "${SS_PRESTAGED:-0}" = 1 ]; then
-            say "pre-staged runfile $path fails verification ($bad): not used"
+            message "pre-staged runfile $path fails verification ($bad): not used"
         else
             move_to_rejected "$path"
-            say "runfile $path fails verification ($bad): moved aside to $path.rejected-$ts, never used"
+            message "runfile $path fails verification ($bad): moved aside to $path.rejected-$ts, never used"
         fi
         exit 1
     fi
@@ -106,12 +102,12 @@ verify() {
 reject() {
     local path=$1 reason=$2
     move_to_rejected "$path" || exit 1
-    say "$path failed verification ($reason): moved aside to $path.rejected-$ts, never used"
+    message "$path failed verification ($reason): moved aside to $path.rejected-$ts, never used"
 }
 
 case ${1:-} in
     download) download "$2" ;;
     verify) verify "$2" "${3:-}" ;;
     reject) reject "$2" "$3" ;;
-    *) say "cuda-runfile.sh: unknown command '${1:-}'"; exit 2 ;;
+    *) message "cuda-runfile.sh: unknown command '${1:-}'"; exit 2 ;;
 esac

@@ -34,18 +34,15 @@
 #                      moves an interrupted install's tree to PATH.failed-<UTC> and removes its MARKER file.
 set -u
 
-say() { echo "servestack: $*" >&2; }
-ts=$(date -u +%Y%m%dT%H%M%SZ)
-
-point_link() {   # LINK TARGET
-    ln -sfn -- "$2" "$1.servestack-new" && mv -T -- "$1.servestack-new" "$1"
-}
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+utc_stamp
+ts=$stamp
 
 restore_link() {
     local hop target now status=0
     if [ "$SS_LINK_KIND" = absent ]; then
         if [ -L "$SS_LINK_PATH" ]; then
-            say "the installer created $SS_LINK_PATH -> $(readlink -- "$SS_LINK_PATH"); removed (it did not exist before)"
+            message "the installer created $SS_LINK_PATH -> $(readlink -- "$SS_LINK_PATH"); removed (it did not exist before)"
             rm -f -- "$SS_LINK_PATH"
         fi
         return 0
@@ -56,9 +53,9 @@ restore_link() {
         [ "$now" != "$target" ] || continue
         if [ -L "$hop" ] || [ ! -e "$hop" ]; then
             point_link "$hop" "$target" &&
-                say "$hop was re-pointed to '$now' (by the installer?): restored -> $target"
+                message "$hop was re-pointed to '$now' (by the installer?): restored -> $target"
         else
-            say "$hop is no longer a symlink: cannot restore -> $target"
+            message "$hop is no longer a symlink: cannot restore -> $target"
             status=1
         fi
     done <<< "${SS_LINK_HOPS:-}"
@@ -71,11 +68,11 @@ set_aside_stale_log() {   # move an earlier SS_INSTALLER_TMP_LOG aside (the inst
     owner=$(stat -c %U -- "$log" 2>/dev/null || echo unknown)
     rm -f -- "$log".stale-*
     if mv -f -- "$log" "$log.stale-$ts" 2>/dev/null; then
-        say "moved the earlier $log (owner $owner) aside to $log.stale-$ts: $why"
+        message "moved the earlier $log (owner $owner) aside to $log.stale-$ts: $why"
     elif rm -f -- "$log" 2>/dev/null && [ ! -e "$log" ]; then
-        say "removed the earlier $log (owner $owner): $why"
+        message "removed the earlier $log (owner $owner): $why"
     else
-        say "cannot move the earlier $log (owner $owner) aside: remove it ($why)"
+        message "cannot move the earlier $log (owner $owner) aside: remove it ($why)"
         return 1
     fi
 }
@@ -94,15 +91,11 @@ install() {
     local out="$SS_TMP_DIR/servestack-cuda-installer.out" rc v why="" moved log_start=0 log log_found refused
     mkdir -p -- "$SS_TMP_DIR" "$SS_STATE_DIR" || exit 1
     if [ -n "${SS_BUSY_FILE:-}" ]; then   # the deploy runs it under busy.sh instead, which holds it
-        exec 8>>"$SS_BUSY_FILE"
-        if command -v flock >/dev/null 2>&1 && ! flock -n 8; then
-            say "another CUDA install is still running on this host"
-            exit 1
-        fi
+        hold_busy_file "$SS_BUSY_FILE" "another CUDA install is still running on this host"
     fi
     set_aside_stale_log || exit 1
     if [ -f "$SS_INSTALLER_LOG" ]; then log_start=$(stat -c %s -- "$SS_INSTALLER_LOG"); fi
-    printf '%s\n' "$SS_MARKER" > "$SS_MARKER_FILE"
+    write_atomically "$SS_MARKER_FILE" "$SS_MARKER" || exit 1
     # --installpath: the flag of the reference hosts' command (../shared/notes/stack-facts.md, "The command
     # used on the reference hosts"); NVIDIA's table documents --toolkitpath. The 13.0.1 runfile's own
     # --help was not checked here (the real runfile could not be fetched).
@@ -130,16 +123,16 @@ install() {
         log=$(this_run_log "$log_start"); log_found=$?
         refused=$( { printf '%s\n' "$log"; cat -- "$out"; } 2>/dev/null | grep -i -m 1 'unsupported compiler')  # grep may leave early
         if [ -n "$refused" ]; then
-            say "CUDA $SS_CUDA_VERSION install refused by the installer's compiler check: $refused"
-            if [ -n "${SS_COMPILER_HINT:-}" ]; then say "$SS_COMPILER_HINT"; fi
+            message "CUDA $SS_CUDA_VERSION install refused by the installer's compiler check: $refused"
+            if [ -n "${SS_COMPILER_HINT:-}" ]; then message "$SS_COMPILER_HINT"; fi
         fi
-        say "CUDA $SS_CUDA_VERSION install failed ($why); $moved"
-        if [ -s "$out" ]; then say "installer output (last lines):"; tail -n 10 -- "$out" >&2; fi
+        message "CUDA $SS_CUDA_VERSION install failed ($why); $moved"
+        if [ -s "$out" ]; then message "installer output (last lines):"; tail -n 10 -- "$out" >&2; fi
         if [ $log_found -ne 0 ]; then
-            say "no $SS_INSTALLER_TMP_LOG or $SS_INSTALLER_LOG"
+            message "no $SS_INSTALLER_TMP_LOG or $SS_INSTALLER_LOG"
         else
-            if [ -f "$SS_INSTALLER_TMP_LOG" ]; then say "last lines of $SS_INSTALLER_TMP_LOG:"
-            else say "last lines of $SS_INSTALLER_LOG:"; fi
+            if [ -f "$SS_INSTALLER_TMP_LOG" ]; then message "last lines of $SS_INSTALLER_TMP_LOG:"
+            else message "last lines of $SS_INSTALLER_LOG:"; fi
             printf '%s\n' "$log" | tail -n "$SS_LOG_TAIL_LINES" >&2
         fi
         rm -f -- "$out"
@@ -151,7 +144,7 @@ install() {
 
 move_aside() {   # PATH MARKER
     mv -- "$1" "$1.failed-$ts" && rm -f -- "$2" &&
-        say "moved the interrupted install aside to $1.failed-$ts"
+        message "moved the interrupted install aside to $1.failed-$ts"
 }
 
 command=${1:-}
@@ -161,5 +154,5 @@ case $command in
     restore-link) restore_link ;;
     point-link) point_link "$1" "$2" ;;
     move-aside) move_aside "$1" "$2" ;;
-    *) say "cuda-toolkit.sh: unknown command '$command'"; exit 2 ;;
+    *) message "cuda-toolkit.sh: unknown command '$command'"; exit 2 ;;
 esac

@@ -25,13 +25,10 @@
 # Exit: 0 (what is absent is reported as absent); 2 for an unknown action.
 set -u
 
-# `KEY TEXT`: the file $2's text on one line (its line breaks dropped, as `tr -d '\n'` does),
-# read by the shell (no subshell: `$(...)` of a function is a fork)
-one_line() {
-    local line text=
-    while IFS= read -r line || [ -n "$line" ]; do text+=$line; done < "$2"
-    printf '%s %s\n' "$1" "$text"
-}
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+
+# `KEY TEXT`: the file $2's text on one line
+one_line() { join_lines "$2"; printf '%s %s\n' "$1" "$joined"; }
 
 # PREFIX_nvcc_exit and PREFIX_nvcc lines of `DIR/bin/nvcc --version`, when there is one
 nvcc_lines() {
@@ -47,7 +44,7 @@ nvcc_lines() {
 # or (no version.json, dpkg owns bin/nvcc) tree_dpkg; tree_exists + tree_nvcc_exit 127 for a path
 # that is not a directory; tree_absent.
 tree() {
-    local path=$1 entry state=tree_empty admin=${DPKG_ADMINDIR:-/var/lib/dpkg}
+    local path=$1 entry state=tree_empty
     if [ -L "$path" ]; then echo "tree_symlink $(readlink -- "$path")"; fi
     if [ -d "$path" ]; then
         for entry in "$path"/* "$path"/.[!.]* "$path"/..?*; do
@@ -57,27 +54,15 @@ tree() {
         nvcc_lines tree "$path"
         if [ -f "$path/version.json" ]; then
             one_line tree_version_json "$path/version.json"
-        # one grep over dpkg's package lists answers "no" without loading dpkg's database
-        elif command -v dpkg >/dev/null 2>&1 \
-                && grep -qsFx -- "$path/bin/nvcc" "$admin"/info/*.list "$admin"/diversions; then
-            dpkg -S "$path/bin/nvcc" 2>/dev/null | head -n 1 | sed 's/^/tree_dpkg /'
+        else
+            dpkg_owner "$path/bin/nvcc"
+            if [ -n "$owner" ]; then echo "tree_dpkg $owner"; fi
         fi
     elif [ -e "$path" ]; then
         echo tree_exists
         echo "tree_nvcc_exit 127"
     else
         echo tree_absent
-    fi
-}
-
-# `link_resolved` readlink -f of $1: a directory by the shell's own cd -P (and back)
-print_resolved() {
-    local back=$PWD
-    if cd -P -- "$1" 2>/dev/null; then
-        echo "link_resolved $PWD"
-        cd -- "$back" || exit 1
-    else
-        echo "link_resolved $(readlink -f -- "$1")"
     fi
 }
 
@@ -96,7 +81,7 @@ link_chain() {
     else kind=absent
     fi
     echo "link_kind $kind"
-    if [ -e "$link" ]; then print_resolved "$link"; fi
+    if [ -e "$link" ]; then resolve "$link"; echo "link_resolved $resolved"; fi
 }
 
 # `file SIZE MTIME INODE PATH` or `nofile PATH`, in the order given: one stat for all the files
@@ -154,6 +139,6 @@ fingerprint() {
 case ${1:-} in
 state) shift; state "$@" ;;
 fingerprint) fingerprint "$2" ;;
-*) echo "cuda-toolkits.sh: unknown action '${1:-}' (state, fingerprint)" >&2; exit 2 ;;
+*) message "cuda-toolkits.sh: unknown action '${1:-}' (state, fingerprint)"; exit 2 ;;
 esac
 exit 0

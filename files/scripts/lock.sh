@@ -25,9 +25,10 @@
 state=${2%/}
 lock=$state/lock
 
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+
 # The helpers set variables instead of printing: `$(...)` of a function is a fork, and this runs on
 # every converge of every host.
-first_line() { line=; { IFS= read -r line < "$1"; } 2>/dev/null; }   # $line: FILE's first line
 field() {   # field KEY FILE: $value, one value of the lock's JSON line ('' when absent)
     value=
     { while IFS= read -r l || [ -n "$l" ]; do
@@ -55,9 +56,9 @@ lock_alive() {   # the one definition of "not stale"; sets $why
     busy
 }
 guard() {
-    command -v flock >/dev/null 2>&1 || { echo "servestack: 'flock' (util-linux) is needed on the host" >&2; exit 1; }
+    require flock util-linux
     exec 9>>"$state/lock.guard"
-    flock -w 60 9 || { echo "servestack: timed out waiting for $state/lock.guard" >&2; exit 1; }
+    flock -w 60 9 || { message "timed out waiting for $state/lock.guard"; exit 1; }
 }
 session_process() {   # $owner: the sshd process this shell runs under, or null
     p=$$ owner=null
@@ -84,7 +85,7 @@ take)
         [ "$value" = "$run" ] && { echo ours; exit 0; }
         lock_alive && { first_line "$lock"; printf 'held %s\n' "$line"; exit 3; }
         first_line "$lock"; printf 'stale %s\n' "$line"
-        stamp=$(date -u +%Y%m%dT%H%M%SZ)
+        utc_stamp
         mv "$lock" "$lock.stale-$stamp"
         if [ -f "$lock.activity" ]; then
             first_line "$lock.activity"; printf 'activity %s\n' "$line"
@@ -94,8 +95,9 @@ take)
     session_process; start=
     [ "$owner" = null ] || proc_start "$owner"
     boot_id
-    printf '{"run_id": "%s", "controller": "%s", "started": "%s", "pid": %s, "owner_start": "%s", "boot_id": "%s"}\n' \
-        "$run" "$controller" "$started" "$owner" "$start" "$boot" > "$lock.new.$$" && mv "$lock.new.$$" "$lock" || exit 1
+    printf -v text '{"run_id": "%s", "controller": "%s", "started": "%s", "pid": %s, "owner_start": "%s", "boot_id": "%s"}' \
+        "$run" "$controller" "$started" "$owner" "$start" "$boot"
+    write_atomically "$lock" "$text" || exit 1
     echo taken
     ;;
 release)
@@ -107,5 +109,5 @@ release)
     if [ -f "$lock" ] && [ "$value" = "$run" ]; then rm -f "$lock" && echo released; else echo not-ours; fi
     ;;
 *)
-    echo "lock.sh: unknown action '$1' (read, take, release)" >&2; exit 2 ;;
+    message "lock.sh: unknown action '$1' (read, take, release)"; exit 2 ;;
 esac

@@ -26,9 +26,6 @@
 set -u
 export LC_ALL=C    # globs sort bytewise, as Python's sorted() does
 
-# facts/framing.py's sections, without a subshell: the functions below keep to themselves
-section() { local name=$1; shift; echo "@@servestack begin $name"; { "$@"; } </dev/null; printf '\n@@servestack end %s %s\n' "$name" "$?"; }
-
 PYTHON=$1 VENV_PATH=$2 RELEASES_DIR=$3 STATE_DIR=$4
 RELEASE_NAME='^(r-[0-9a-f]{12}|adopted-[0-9]{8}T[0-9]{6}Z)$'
 BACKUP_NAME='^[0-9]{8}T[0-9]{6}Z(-[0-9]+)?\.json$'
@@ -37,14 +34,11 @@ command -v "$PYTHON" >/dev/null 2>&1 || exit 0
 
 python_identity() { "$PYTHON" -V 2>&1; command -v "$PYTHON"; }
 
-# A JSON file's text on one line (its line breaks are only whitespace between JSON tokens), read
-# by the shell: no program to start. Nothing when it is not a file.
-print_json() {
-    local line text=
-    [ -f "$1" ] || return 0
-    while IFS= read -r line || [ -n "$line" ]; do text+=$line; done < "$1"
-    printf '%s\n' "$text"
-}
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+
+# A JSON file's text on one line (its line breaks are only whitespace between JSON tokens).
+# Nothing when it is not a file.
+print_json() { if [ -f "$1" ]; then join_lines "$1"; printf '%s\n' "$joined"; fi; }
 
 venv_path() {
     local kind real

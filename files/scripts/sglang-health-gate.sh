@@ -29,7 +29,7 @@ set -u
 reason=""
 invocation=""
 
-say() { printf 'servestack: %s\n' "$*"; }
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
 
 unit_state() { systemctl show --property=ActiveState --value -- "$SS_UNIT" 2>/dev/null; }
 
@@ -52,7 +52,7 @@ wait_ready() {
       return 1
     fi
     if (( SECONDS >= next_note )); then  # output keeps long waits visible and the SSH session alive
-      say "waiting for $SS_UNIT to become ready ($((SECONDS - started)) s of $1 s)"
+      progress "waiting for $SS_UNIT to become ready ($((SECONDS - started)) s of $1 s)"
       next_note=$((SECONDS + ${SS_PROGRESS_EVERY:-5}))
     fi
     sleep 1
@@ -83,11 +83,11 @@ restart_and_check() {
 }
 
 remember_good_unit() {
-  install -d -m 755 -- "$SS_STATE_DIR" &&
-  install -m 644 -- "$SS_UNIT_PATH" "$SS_GOOD_UNIT.tmp" && mv -f -- "$SS_GOOD_UNIT.tmp" "$SS_GOOD_UNIT" &&
-  printf '{"fingerprint": "%s", "release": "%s", "unit": "%s", "healthy_at": "%s"}\n' \
-    "$SS_FINGERPRINT" "$SS_RELEASE" "$SS_UNIT_PATH" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$SS_RECORD.tmp" &&
-  mv -f -- "$SS_RECORD.tmp" "$SS_RECORD"
+  local record
+  printf -v record '{"fingerprint": "%s", "release": "%s", "unit": "%s", "healthy_at": "%s"}' \
+    "$SS_FINGERPRINT" "$SS_RELEASE" "$SS_UNIT_PATH" "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  install -d -m 755 -- "$SS_STATE_DIR" && copy_atomically "$SS_UNIT_PATH" "$SS_GOOD_UNIT" 644 &&
+    write_atomically "$SS_RECORD" "$record"
 }
 
 # Point the stable venv path back at the previous release (a rename, as the venv step does).
@@ -98,16 +98,14 @@ reactivate_previous_venv() {
     reason="the previous release's venv $SS_PREVIOUS_VENV is gone"
     return 1
   fi
-  ln -sfn -- "$SS_PREVIOUS_VENV" "$SS_VENV_PATH.servestack-rollback" &&
-  mv -fT -- "$SS_VENV_PATH.servestack-rollback" "$SS_VENV_PATH" &&
-  record_reactivation
+  point_link "$SS_VENV_PATH" "$SS_PREVIOUS_VENV" && record_reactivation
 }
 
 # Tell the venv step's activation history (files/scripts/ml_env.py) about the switch, so that
 # rollback.py and release pruning see which release is active; only where that history exists.
 record_reactivation() {
   [ -n "$SS_PREVIOUS_RELEASE" ] && [ -f "$SS_HISTORY" ] || return 0
-  "$SS_PYTHON" - "$SS_HISTORY" "$SS_PREVIOUS_RELEASE" "$SS_RELEASE" <<'PY' || say "could not record the switch in $SS_HISTORY" >&2
+  "$SS_PYTHON" - "$SS_HISTORY" "$SS_PREVIOUS_RELEASE" "$SS_RELEASE" <<'PY' || message "could not record the switch in $SS_HISTORY"
 import datetime, json, os, sys
 path, release, previous = sys.argv[1:4]
 with open(path) as handle:
@@ -122,38 +120,35 @@ os.replace(path + ".tmp-servestack", path)
 PY
 }
 
-restore_good_unit() {
-  install -m 644 -- "$SS_GOOD_UNIT" "$SS_UNIT_PATH.servestack-rollback" &&
-  mv -f -- "$SS_UNIT_PATH.servestack-rollback" "$SS_UNIT_PATH"
-}
+restore_good_unit() { copy_atomically "$SS_GOOD_UNIT" "$SS_UNIT_PATH" 644; }
 
 if restart_and_check; then
   if ! remember_good_unit; then
-    say "$SS_UNIT is healthy on release $SS_RELEASE but its record in $SS_STATE_DIR could not be written" >&2
+    message "$SS_UNIT is healthy on release $SS_RELEASE but its record in $SS_STATE_DIR could not be written"
     exit 1
   fi
-  say "$SS_UNIT is healthy on release $SS_RELEASE and answered a generation request"
+  progress "$SS_UNIT is healthy on release $SS_RELEASE and answered a generation request"
   exit 0
 fi
 
 failure="$SS_UNIT on release $SS_RELEASE failed: $reason"
 {
-  say "$failure"
+  message "$failure"
   if [ -n "$invocation" ]; then
-    say "its last journal lines:"
+    message "its last journal lines:"
     journalctl "_SYSTEMD_INVOCATION_ID=$invocation" --lines=15 --no-pager --output=cat 2>/dev/null | sed 's/^/    /'
   fi
 } >&2
 
 if [ ! -f "$SS_GOOD_UNIT" ]; then
   systemctl stop -- "$SS_UNIT"
-  say "$failure; no earlier healthy unit to roll back to, so $SS_UNIT was stopped; release $SS_RELEASE stays in $SS_RELEASE_DIR for inspection" >&2
+  message "$failure; no earlier healthy unit to roll back to, so $SS_UNIT was stopped; release $SS_RELEASE stays in $SS_RELEASE_DIR for inspection"
   exit 1
 fi
 
 if reactivate_previous_venv && restore_good_unit && restart_and_check; then
-  say "$failure; rolled back to $SS_PREVIOUS_LABEL, which is healthy and answering again; release $SS_RELEASE stays in $SS_RELEASE_DIR for inspection" >&2
+  message "$failure; rolled back to $SS_PREVIOUS_LABEL, which is healthy and answering again; release $SS_RELEASE stays in $SS_RELEASE_DIR for inspection"
   exit 1
 fi
-say "$failure; the rollback to $SS_PREVIOUS_LABEL failed too: $reason" >&2
+message "$failure; the rollback to $SS_PREVIOUS_LABEL failed too: $reason"
 exit 2

@@ -36,19 +36,9 @@
 # Exit: 0 (what is absent is reported as absent).
 set -u
 
-say() { printf '%s\t%s\n' "$1" "$2"; }
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
 
-# $resolved: readlink -f of $1, for a directory by the shell's own cd -P (and back): no program
-# and no subshell (`$(...)` of a function is a fork)
-resolve() {
-    local back=$PWD
-    if cd -P -- "$1" 2>/dev/null; then
-        resolved=$PWD
-        cd -- "$back" || exit 1
-    else
-        resolved=$(readlink -f -- "$1")
-    fi
-}
+say() { printf '%s\t%s\n' "$1" "$2"; }
 
 device_nodes() {
     local node
@@ -60,13 +50,8 @@ device_nodes() {
 # Only a toolkit without version.json (the runfile writes one) is judged by its package.
 toolkit_package() {
     [ -f "$CUDA/version.json" ] && return
-    local nvcc=$CUDA/bin/nvcc admin=${DPKG_ADMINDIR:-/var/lib/dpkg} owner= package line status dist
-    # one grep over dpkg's package lists answers "no" without loading dpkg's database
-    if command -v dpkg >/dev/null 2>&1 \
-            && grep -qsFx -- "$nvcc" "$admin"/info/*.list "$admin"/diversions; then
-        owner=$(dpkg -S "$nvcc" 2>/dev/null)
-    fi
-    owner=${owner%%$'\n'*}
+    local nvcc=$CUDA/bin/nvcc owner package line status dist
+    dpkg_owner "$nvcc"
     package=${owner%%:*}
     if [ -n "$package" ] && line=$(dpkg-query -W -f='dpkg ${Package} ${Version}\n' "$package" 2>/dev/null); then
         say package "$line"

@@ -1,11 +1,12 @@
-"""The core's host-side scripts (files/scripts: atomic-write.sh, disk-free.sh, lock.sh), run with
-`bash` on this machine against temporary directories, and the Python that renders their inputs
-(servestack/scripts.py, facts/host.py)."""
+"""The core's host-side scripts (files/scripts: helpers.sh, atomic-write.sh, disk-free.sh, lock.sh),
+run with `bash` on this machine against temporary directories, and the Python that renders their
+inputs (servestack/scripts.py, facts/host.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -26,7 +27,7 @@ from facts.host import (
     release_lock_command,
     take_lock_command,
 )
-from servestack.scripts import SCRIPTS, atomic_write_command, script, script_command
+from servestack.scripts import HELPERS, HELPERS_LINE, SCRIPTS, atomic_write_command, script, script_command, script_text
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 BASH = shutil.which("bash")
@@ -53,16 +54,178 @@ def mode_of(path: Path) -> int:
 def test_a_script_command_carries_the_script_its_arguments_and_environment(tmp_path):
     target = str(tmp_path / "it's here")
     command = script_command("atomic-write.sh", target, "600", env={"CONTENT": "a b"})
-    assert shlex.split(command) == ["CONTENT=a b", "bash", "-c", (SCRIPTS / "atomic-write.sh").read_text(),
+    assert shlex.split(command) == ["CONTENT=a b", "bash", "-c", script_text("atomic-write.sh"),
                                     "atomic-write.sh", target, "600"]
     assert sh(command).returncode == 0
     assert (tmp_path / "it's here").read_text() == "a b\n"
     assert script("atomic-write.sh", "/x", "644").get_raw_value() == script_command("atomic-write.sh", "/x", "644")
 
 
-@pytest.mark.parametrize("name", ["atomic-write.sh", "disk-free.sh", "lock.sh"])
+@pytest.mark.parametrize("name", ["atomic-write.sh", "disk-free.sh", "lock.sh", "helpers.sh"])
 def test_each_script_states_its_contract_at_the_top(name):
     assert (SCRIPTS / name).read_text().startswith(f"# {name} ")
+
+
+# --- helpers.sh: the shell functions the scripts share ---------------------------------------------
+
+SHELL_SCRIPTS = sorted(path.name for path in SCRIPTS.glob("*.sh") if path.name != HELPERS)
+USING_HELPERS = [name for name in SHELL_SCRIPTS if HELPERS_LINE in (SCRIPTS / name).read_text().splitlines()]
+
+
+def functions_defined(text: str) -> set[str]:
+    return set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*)\(\) *\{", text, flags=re.MULTILINE))
+
+
+def helper(tmp_path, call: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`call` in a bash that sourced helpers.sh, in tmp_path."""
+    return subprocess.run([BASH, "-c", f'source "$1"; {call}', "helper", str(SCRIPTS / HELPERS)], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+def test_the_helpers_travel_in_place_of_the_line_that_sources_them():
+    assert {"cuda-toolkits.sh", "ml-env-state.sh", "verify-host.sh", "lock.sh", "busy.sh", "cuda-runfile.sh",
+            "cuda-toolkit.sh", "atomic-write.sh", "sglang-health-gate.sh"} <= set(USING_HELPERS)
+    helpers = (SCRIPTS / HELPERS).read_text()
+    for name in USING_HELPERS:
+        before, after = (SCRIPTS / name).read_text().split(HELPERS_LINE + "\n")
+        assert script_text(name) == before + helpers + after, name
+    assert script_text("disk-free.sh") == (SCRIPTS / "disk-free.sh").read_text()
+
+
+def test_no_script_defines_again_what_the_helpers_define():
+    shared = functions_defined((SCRIPTS / HELPERS).read_text())
+    assert {"progress", "message", "require", "hold_busy_file", "utc_stamp", "first_line", "join_lines", "resolve",
+            "dpkg_owner", "write_atomically", "copy_atomically", "point_link"} <= shared
+    for name in SHELL_SCRIPTS:
+        assert not functions_defined((SCRIPTS / name).read_text()) & shared, name
+
+
+def test_a_script_runs_the_same_from_files_scripts_and_as_sent(tmp_path):
+    cuda = tmp_path / "cuda-13.0"
+    (cuda / "bin").mkdir(parents=True)
+    (cuda / "version.json").write_text('{\n  "cuda": {"version": "13.0.1"}\n}\n')
+    (tmp_path / "cuda").symlink_to(cuda)
+    args = ["state", str(cuda), str(tmp_path / "cuda"), str(tmp_path), "--"]
+    by_path = subprocess.run([BASH, str(SCRIPTS / "cuda-toolkits.sh"), *args], capture_output=True, text=True)
+    sent = sh(script_command("cuda-toolkits.sh", *args))
+    assert by_path.returncode == sent.returncode == 0
+    assert by_path.stdout == sent.stdout
+    assert 'tree_version_json {  "cuda": {"version": "13.0.1"}}' in sent.stdout.splitlines()
+    assert f"link_resolved {cuda}" in sent.stdout.splitlines()
+
+
+def test_progress_and_message_speak_for_servestack_on_stdout_and_stderr(tmp_path):
+    said = helper(tmp_path, 'progress "3 of 8 done"; message "the disk is full"')
+    assert (said.stdout, said.stderr) == ("servestack: 3 of 8 done\n", "servestack: the disk is full\n")
+
+
+def test_require_exits_naming_the_missing_program_and_its_package(tmp_path):
+    said = helper(tmp_path, "require no-such-program-here some-package; echo after")
+    assert said.returncode == 1 and said.stdout == ""
+    assert said.stderr == "servestack: 'no-such-program-here' (some-package) is needed on the host\n"
+    assert helper(tmp_path, "require bash bash; echo present").stdout == "present\n"
+
+
+def test_hold_busy_file_refuses_while_another_process_holds_it(tmp_path):
+    busy = tmp_path / "lock.busy"
+    assert helper(tmp_path, f'hold_busy_file {busy} "busy"; echo held').stdout == "held\n"
+    holder = subprocess.Popen(["flock", str(busy), "sleep", "30"])
+    try:
+        for _ in range(100):
+            if subprocess.run(["flock", "-n", str(busy), "true"]).returncode != 0:
+                break
+            time.sleep(0.05)
+        said = helper(tmp_path, f'hold_busy_file {busy} "another install is running"; echo held')
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (said.returncode, said.stdout, said.stderr) == (1, "", "servestack: another install is running\n")
+
+
+def test_utc_stamp_is_the_time_now_in_utc(tmp_path):
+    before = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stamp = helper(tmp_path, 'utc_stamp; printf "%s" "$stamp"', env={"TZ": "EST5"}).stdout
+    after = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    assert before <= stamp <= after
+
+
+def test_first_line_reads_a_files_first_line_or_nothing(tmp_path):
+    (tmp_path / "f").write_text("one two\nthree\n")
+    assert helper(tmp_path, 'first_line f; printf "[%s]" "$line"').stdout == "[one two]"
+    assert helper(tmp_path, 'line=old; first_line missing; printf "[%s]" "$line"').stdout == "[]"
+
+
+@pytest.mark.parametrize("text", ['{"a": 1,\n "b": [2, 3]}\n', '{"a": 1,\n "b": [2, 3]}', "", "\n\n"])
+def test_join_lines_drops_the_line_breaks_as_tr_does(tmp_path, text):
+    (tmp_path / "f").write_text(text)
+    assert helper(tmp_path, 'join_lines f; printf "%s" "$joined"').stdout == text.replace("\n", "")
+
+
+def test_resolve_is_readlink_f_and_leaves_the_directory_as_it_was(tmp_path):
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "real" / "file").write_text("x")
+    (tmp_path / "hop").symlink_to(tmp_path / "real")
+    (tmp_path / "link").symlink_to("hop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for path in ("link", "link/sub", "link/file", "dangling", "hop/missing"):
+        expected = subprocess.run(["readlink", "-f", "--", path], cwd=tmp_path, capture_output=True, text=True).stdout
+        done = helper(tmp_path, f'resolve {path}; printf "%s\\n%s\\n" "$resolved" "$PWD"')
+        assert done.stdout == expected + f"{tmp_path}\n", path
+
+
+def test_dpkg_owner_asks_dpkg_only_for_a_path_in_its_lists(tmp_path):
+    admin, bin_dir = tmp_path / "dpkg", tmp_path / "bin"
+    (admin / "info").mkdir(parents=True)
+    bin_dir.mkdir()
+    (admin / "info" / "cuda-nvcc-13-0.list").write_text("/usr/local/cuda-13.0/bin\n/usr/local/cuda-13.0/bin/nvcc\n")
+    (admin / "diversions").write_text("/usr/bin/diverted\n")
+    (bin_dir / "grep").symlink_to(shutil.which("grep"))
+    (bin_dir / "dpkg").write_text('#!/bin/sh\necho "asked $*" >> "$LOG"\nprintf "cuda-nvcc-13-0: %s\\nsecond line\\n" "$2"\n')
+    (bin_dir / "dpkg").chmod(0o755)
+    log = tmp_path / "asked"
+    env = {"DPKG_ADMINDIR": str(admin), "PATH": f"{bin_dir}:/bin:/usr/bin", "LOG": str(log)}
+
+    def owner(path):
+        return helper(tmp_path, f'owner=old; dpkg_owner {path}; printf "[%s]" "$owner"', env).stdout
+    assert owner("/usr/local/cuda-13.0/bin/nvcc") == "[cuda-nvcc-13-0: /usr/local/cuda-13.0/bin/nvcc]"
+    assert owner("/usr/bin/diverted") == "[cuda-nvcc-13-0: /usr/bin/diverted]"
+    assert owner("/usr/local/cuda-13.0/bin/nvc") == owner("/usr/local/cuda-12.8/bin/nvcc") == "[]"
+    assert log.read_text().splitlines() == ["asked -S /usr/local/cuda-13.0/bin/nvcc", "asked -S /usr/bin/diverted"]
+    (bin_dir / "dpkg").unlink()
+    env["PATH"] = str(bin_dir)
+    assert owner("/usr/local/cuda-13.0/bin/nvcc") == "[]"   # no dpkg: nothing is dpkg's
+
+
+@pytest.mark.parametrize("text, written", [("a b", "a b\n"), ("a\nb\n", "a\nb\n"), ("", "\n")])
+def test_write_atomically_replaces_the_file_by_rename(tmp_path, text, written):
+    target = tmp_path / "record.json"
+    target.write_text("old\n")
+    inode = target.stat().st_ino
+    done = helper(tmp_path, f'write_atomically {target} "$TEXT" 600 && echo ok', env={"TEXT": text})
+    assert done.stdout == "ok\n" and target.read_text() == written and mode_of(target) == 0o600
+    assert target.stat().st_ino != inode and sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
+
+
+def test_a_failed_atomic_write_or_copy_leaves_the_target_and_nothing_else(tmp_path):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "source").write_text("unit\n")
+    done = helper(tmp_path, "write_atomically dir text || echo failed; copy_atomically source dir 644 || echo failed; "
+                            "write_atomically missing/file text || echo failed")
+    assert done.stdout == "failed\nfailed\nfailed\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "source"] and not any((tmp_path / "dir").iterdir())
+
+
+def test_copy_atomically_and_point_link_replace_by_rename(tmp_path):
+    (tmp_path / "good").write_text("unit v1\n")
+    (tmp_path / "unit").write_text("unit v2\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "venv").symlink_to(tmp_path / "a")
+    done = helper(tmp_path, f"copy_atomically good unit 640 && point_link venv {tmp_path / 'b'} && echo ok")
+    assert done.stdout == "ok\n"
+    assert (tmp_path / "unit").read_text() == "unit v1\n" and mode_of(tmp_path / "unit") == 0o640
+    assert os.readlink(tmp_path / "venv") == str(tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "good", "unit", "venv"]
 
 
 # --- atomic-write.sh --------------------------------------------------------------------------------

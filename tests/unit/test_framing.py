@@ -15,8 +15,9 @@ from pyinfra.facts.files import Sha256File
 from pyinfra.facts.server import Groups, Which
 
 from facts.batch import MAX_COMMAND_CHARS, FactBatch, FactRequest, Unread, batches, section_name
-from facts.framing import BEGIN, END, SECTION_FUNCTION, Section, framed, split
+from facts.framing import BEGIN, END, Section, framed, split
 from servestack.pyinfra_hooks import MISSING_COMMAND_MARKER
+from servestack.scripts import HELPERS, script_text
 
 
 def run_locally(command: str, shell: str = "sh") -> list[str]:
@@ -83,10 +84,10 @@ def test_section_text_joins_its_lines():
 @pytest.mark.parametrize("printed", ["", "a", "a\\n", "a\\n\\n", "\\na\\nb\\n"])
 @pytest.mark.parametrize("status", [0, 5])
 def test_the_shell_section_function_frames_as_framed_does(printed, status):
-    """Scripts in files/scripts frame with `section NAME CMD...`: the parser reads it alike."""
+    """Scripts in files/scripts frame with helpers.sh's `section NAME CMD...`: the parser reads it alike."""
     command = f"printf '{printed}'; exit {status}"
     from_python = split(run_locally(framed("s", command)))
-    from_shell = split(run_locally(f"{SECTION_FUNCTION}\nsection s sh -c \"{command}\"", shell="bash"))
+    from_shell = split(run_locally(f"{script_text(HELPERS)}\nsection s sh -c \"{command}\"", shell="bash"))
     assert from_shell == from_python
     assert from_shell["s"].rc == status
 

@@ -18,10 +18,11 @@ from pyinfra.api.operations import run_ops
 from pyinfra.facts.files import FileContents
 
 from facts.batch import FactRequest
-from facts.service import (combine_digests, parse_properties, parse_record, parse_venv_target, release_id_of)
+from facts.service import (UserAccount, combine_digests, parse_properties, parse_record, parse_venv_target,
+                           release_id_of)
 from operations import service
 from servestack.errors import ConfigError
-from servestack.scripts import SCRIPTS
+from servestack.scripts import SCRIPTS, script_text
 from servestack.settings import host_settings, settings_from_data
 from servestack.sandbox.standins import fake_sglang_server
 from tests.unit.fake_host import fake_state, read_keys
@@ -259,7 +260,7 @@ def test_gate_command_quotes_every_input():
     command = service.gate_command({"SS_UNIT": "sglang.service", "SS_GENERATE_BODY": '{"text": "it\'s"}'})
     words = shlex.split(command.get_raw_value())
     assert 'SS_GENERATE_BODY={"text": "it\'s"}' in words and "SS_UNIT=sglang.service" in words
-    assert words[words.index("bash") + 2] == (SCRIPTS / service.GATE_SCRIPT).read_text()
+    assert words[words.index("bash") + 2] == script_text(service.GATE_SCRIPT)
 
 
 # -- fact parsers -----------------------------------------------------------------------------------
@@ -424,7 +425,8 @@ def test_the_secret_is_never_on_a_command_line_or_in_the_log(monkeypatch, caplog
 
 
 def test_an_existing_login_user_is_refused_naming_the_key(caplog):
-    state = fleet(["gpu1"], {**FRESH_HOST, "getent passwd sglang": "sglang:x:1001:1001::/home/sglang:/bin/bash"})
+    account = UserAccount().command(user="sglang")
+    state = fleet(["gpu1"], {**FRESH_HOST, account: "sglang:x:1001:1001::/home/sglang:/bin/bash|sglang|sglang||"})
     with pytest.raises(PyinfraError, match="No hosts remaining"):  # the only host was refused
         add_deploy(state, service.sglang_service, release=service.release(settings(), RELEASE_ID))
     assert "refused: 'service_user': sglang is an existing login user (uid 1001)" in caplog.text
@@ -442,8 +444,6 @@ def test_only_model_paths_on_disk_are_checked_for_the_service_user():
 def test_the_user_account_fact_reads_as_pyinfras_users_with_one_id_call():
     """Each local account, as the old three-program command read it (getent, id -gn, id -Gn)."""
     import subprocess
-
-    from facts.service import UserAccount
 
     def run(command: str) -> list[str]:
         return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True).stdout.splitlines()
