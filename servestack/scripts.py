@@ -23,11 +23,18 @@ HELPERS_LINE = 'source "${BASH_SOURCE[0]%/*}/helpers.sh"'
 
 @functools.cache
 def script_text(name: str) -> str:
-    """The script as it is sent to a host: its text, with the helpers in place of a line that
-    sources them."""
+    """The script as it is sent to a host: its text, with the helpers' code in place of a line
+    that sources them."""
     lines = (SCRIPTS / name).read_text().splitlines(keepends=True)
-    helpers = (SCRIPTS / HELPERS).read_text()
-    return "".join(helpers if line.rstrip("\n") == HELPERS_LINE else line for line in lines)
+    return "".join(helpers_code() if line.rstrip("\n") == HELPERS_LINE else line for line in lines)
+
+
+@functools.cache
+def helpers_code() -> str:
+    """helpers.sh without its comment lines and blank lines (the file documents them; every
+    script that uses them carries this text in every command)."""
+    lines = (SCRIPTS / HELPERS).read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if line.strip() and not line.lstrip().startswith("#"))
 
 
 def script_command(name: str, *args, env: dict | None = None) -> str:

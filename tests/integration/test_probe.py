@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from facts.batch import section_name
+from facts.framing import BEGIN
 from facts.toolkit import toolkits_command
 from operations.toolkit import kept_paths, runfile_candidates
 from pyinfra_run import ROOT, apply, run_pyinfra
@@ -61,7 +63,7 @@ def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
         # the execute stage reads the host after the lock's take, under the lock
         sent = [path.read_text() for path in sorted(texts.iterdir())]
         take = [index for index, text in enumerate(sent) if "lock.sh take" in text.replace("'", "")]
-        reads = [index for index, text in enumerate(sent) if "@@servestack begin" in text]
+        reads = [index for index, text in enumerate(sent) if f"echo '{BEGIN}{section_name(0)}'" in text]  # batches
         assert len(take) == 1 and len(reads) == 2 and reads[0] < take[0] < reads[1], (take, reads)
         # under -y pyinfra runs no operation while it prepares: that read is what the deploy decides
         # from (preflight, the release plan); the operations' own reads (the unit's state) come at execute
