@@ -9,7 +9,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import stat
 import subprocess
 import time
@@ -28,6 +27,7 @@ from facts.host import (
     take_lock_command,
 )
 from servestack.scripts import HELPERS, HELPERS_LINE, SCRIPTS, atomic_write_command, script, script_command, script_text
+from tests.unit.flock_holder import flock_held
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 BASH = shutil.which("bash")
@@ -131,16 +131,8 @@ def test_require_exits_naming_the_missing_program_and_its_package(tmp_path):
 def test_hold_busy_file_refuses_while_another_process_holds_it(tmp_path):
     busy = tmp_path / "lock.busy"
     assert helper(tmp_path, f'hold_busy_file {busy} "busy"; echo held').stdout == "held\n"
-    holder = subprocess.Popen(["flock", str(busy), "sleep", "30"])
-    try:
-        for _ in range(100):
-            if subprocess.run(["flock", "-n", str(busy), "true"]).returncode != 0:
-                break
-            time.sleep(0.05)
+    with flock_held(busy):
         said = helper(tmp_path, f'hold_busy_file {busy} "another install is running"; echo held')
-    finally:
-        holder.kill()
-        holder.wait()
     assert (said.returncode, said.stdout, said.stderr) == (1, "", "servestack: another install is running\n")
 
 
@@ -488,19 +480,11 @@ def test_a_lock_whose_connection_is_gone_is_alive_while_its_installer_runs(tmp_p
     state_dir = tmp_path / "state"
     lock("take", state_dir, "run-A", "ctl:1", "T")
     set_field(state_dir / "lock", "pid", 4194304)
-    holder = subprocess.Popen(["flock", str(state_dir / "lock.busy"), "sleep", "30"], start_new_session=True)
-    try:
-        for _ in range(100):
-            found = read_lock(state_dir)
-            if found.alive:
-                break
-            time.sleep(0.05)
+    with flock_held(state_dir / "lock.busy"):
+        found = read_lock(state_dir)
         assert found.alive and found.why == "busy"
         assert "still running on the host" in found.why_alive()
         assert lock("take", state_dir, "run-B", "ctl:2", "T").returncode == 3
-    finally:
-        os.killpg(holder.pid, signal.SIGKILL)        # flock and the sleep holding the lock
-        holder.wait()
     assert not read_lock(state_dir).alive
 
 

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from servestack.doctor import render_json, report_for
 from servestack.sandbox.standins.toolkit import write_toolkit_tree
 from servestack.settings import host_settings, settings_from_data
 from tests.unit.fake_host import fake_state
+from tests.unit.flock_holder import flock_held
 from tests.unit.test_toolkit_decisions import host_lab  # noqa: F401  (a fixture)
 from tests.unit.test_toolkit_scripts import installer_tmp_log_in_tmp_path  # noqa: F401  (an autouse fixture)
 
@@ -251,18 +251,11 @@ def test_lock_of_a_dead_connection_is_alive_while_its_installer_runs(tmp_path):
     sh(take_lock_command(str(state), "run-A", "ctl:1", "T"))
     lock = state / "lock"
     lock.write_text(lock.read_text().replace('"pid": null', '"pid": 4194304'))
-    holder = subprocess.Popen(["flock", str(lock) + ".busy", "sleep", "30"], start_new_session=True)
-    try:
-        for _ in range(50):
-            found = parse_lock(sh(lock_read_command(str(state))).stdout.splitlines())
-            if found.alive:
-                break
+    with flock_held(Path(f"{lock}.busy")):
+        found = parse_lock(sh(lock_read_command(str(state))).stdout.splitlines())
         assert found.alive and found.why == "busy"
         assert "still running on the host" in found.why_alive()
         assert sh(take_lock_command(str(state), "run-B", "ctl:2", "T")).returncode == 3
-    finally:
-        os.killpg(holder.pid, signal.SIGKILL)          # flock and the sleep holding the lock
-        holder.wait()
     assert not parse_lock(sh(lock_read_command(str(state))).stdout.splitlines()).alive
 
 

@@ -12,9 +12,7 @@ import os
 import pwd
 import re
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +35,7 @@ from servestack.manifest import DEFAULT_MANIFEST, Runfile
 from servestack.sandbox.standins.runfile import build_runfile
 from servestack.scripts import SCRIPTS, script_command
 from servestack.settings import settings_from_data
+from tests.unit.flock_holder import flock_held
 
 STAMP = r"\d{8}T\d{6}Z"
 TOOLKIT_SCRIPTS = ("cuda-runfile.sh", "cuda-toolkit.sh", "upload-staging.sh")
@@ -215,29 +214,12 @@ def test_download_that_cannot_be_had_says_so_and_keeps_the_partial_file(tmp_path
     assert Path(source.part).stat().st_size == 1000
 
 
-def hold_flock(path: Path) -> subprocess.Popen:
-    holder = subprocess.Popen(["flock", str(path), "sleep", "30"], start_new_session=True)
-    for _ in range(100):
-        if path.exists() and subprocess.run(["flock", "-n", str(path), "true"]).returncode != 0:
-            return holder
-        time.sleep(0.05)
-    raise AssertionError("flock was not taken")
-
-
-def release(holder: subprocess.Popen) -> None:
-    os.killpg(holder.pid, signal.SIGKILL)           # flock and the sleep holding the lock
-    holder.wait()
-
-
 @pytest.mark.skipif(not shutil.which("flock"), reason="no flock on this machine")
 def test_download_waits_for_nobody_while_another_holds_the_busy_lock(tmp_path):
     source = source_in(tmp_path, served_file(tmp_path))
     busy = tmp_path / "lock.busy"
-    holder = hold_flock(busy)
-    try:
+    with flock_held(busy):
         result = sh(download_command(source, busy=str(busy)))
-    finally:
-        release(holder)
     assert result.returncode == 1
     assert "another download or install is still running on this host" in result.stderr
     assert not Path(source.part).exists()
@@ -494,11 +476,8 @@ def test_a_runfile_that_fails_verification_is_never_run(lab):
 def test_install_waits_for_nobody_while_another_holds_the_busy_lock(lab):
     root, _, _ = lab
     (root / "state").mkdir()
-    holder = hold_flock(root / "state" / "lock.busy")
-    try:
+    with flock_held(root / "state" / "lock.busy"):
         result = install(lab, staged(lab, "normal"))
-    finally:
-        release(holder)
     assert result.returncode == 75 and result.stderr.startswith("busy "), result.stderr
     assert not (root / "args").exists() and not (root / "state" / "toolkit-install.json").exists()
 

@@ -37,6 +37,7 @@ import venv_index  # noqa: E402
 
 from servestack.settings import host_settings, settings_from_data  # noqa: E402
 from tests.unit.fake_host import fake_state, read_keys, run_here  # noqa: E402
+from tests.unit.flock_holder import flock_held  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("ml_env", TOOL)
 ml_env = importlib.util.module_from_spec(spec)
@@ -702,16 +703,8 @@ def test_a_release_directory_is_built_by_one_process_at_a_time(host, tmp_path):
     guard = Path(plan.dir).parent / ".build-guard"
     guard.parent.mkdir(parents=True)
     guard.write_text("release r-other, pid 4242, since 20261201T000000Z\n")
-    holder = subprocess.Popen(["flock", str(guard), "sleep", "30"])
-    try:
-        for _ in range(100):
-            if subprocess.run(["flock", "-n", str(guard), "true"]).returncode != 0:
-                break
-            time.sleep(0.05)
+    with flock_held(guard):
         code, _, err = run_tool("build", params)
-    finally:
-        holder.kill()
-        holder.wait()
     assert code == 1
     assert (f"servestack: release {plan.id} cannot be built now: another build holds {guard} "
             "(release r-other, pid 4242, since 20261201T000000Z)") in err
