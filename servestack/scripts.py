@@ -5,7 +5,7 @@ outputs, exit codes) at its top. Python renders only the inputs: environment var
 arguments, quoted. The script's text travels in the command itself (`bash -c TEXT NAME ARGS...`),
 so nothing is uploaded and the command is the same on every host. The shell functions the scripts
 share are in files/scripts/helpers.sh: a script's line `source ".../helpers.sh"` (HELPERS_LINE) is
-replaced by that file's text.
+replaced by that file's code (`helpers_code`).
 """
 
 from __future__ import annotations

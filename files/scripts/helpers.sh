@@ -2,8 +2,9 @@
 #
 # A script that uses them has this line, alone, before its first use of one:
 #     source "${BASH_SOURCE[0]%/*}/helpers.sh"
-# servestack/scripts.py replaces that line by this file's text when it sends the script to a host
-# (`bash -c TEXT`: nothing is uploaded); run from files/scripts (tests), the line sources this file.
+# servestack/scripts.py replaces that line by this file's code (its comment lines left out) when it
+# sends the script to a host (`bash -c TEXT`: nothing is uploaded); run from files/scripts (tests),
+# the line sources this file.
 #
 # The helpers set a variable where their caller needs a value: `$(...)` of a function is a fork,
 # and every process a read starts is host CPU on every converge.
@@ -86,9 +87,10 @@ write_atomically() {
 }
 
 # Copy the file $1 to $2 atomically, mode $3: into $2.new.PID beside it, then rename(2) over $2.
-# Status 1 when a step fails: $2 untouched, nothing left behind.
+# Status 1 when a step fails: $2 untouched, nothing left behind. (`command install`: cuda-toolkit.sh
+# has a function of that name.)
 copy_atomically() {
-    install -m "$3" -- "$1" "$2.new.$$" && mv -fT -- "$2.new.$$" "$2" && return 0
+    command install -m "$3" -- "$1" "$2.new.$$" && mv -fT -- "$2.new.$$" "$2" && return 0
     rm -f -- "$2.new.$$"
     return 1
 }

@@ -209,6 +209,12 @@ def test_a_failed_atomic_write_or_copy_leaves_the_target_and_nothing_else(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "source"] and not any((tmp_path / "dir").iterdir())
 
 
+def test_copy_atomically_copies_even_where_a_script_has_a_function_named_install(tmp_path):
+    (tmp_path / "good").write_text("unit v1\n")
+    done = helper(tmp_path, "install() { echo shadowed; return 1; }; copy_atomically good unit 644 && echo ok")
+    assert done.stdout == "ok\n" and (tmp_path / "unit").read_text() == "unit v1\n"
+
+
 def test_copy_atomically_and_point_link_replace_by_rename(tmp_path):
     (tmp_path / "good").write_text("unit v1\n")
     (tmp_path / "unit").write_text("unit v2\n")
