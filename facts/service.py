@@ -13,72 +13,11 @@ import shlex
 from pyinfra.api import FactBase
 from pyinfra.facts.server import Users
 
-from facts.toolkit import resolved_path
 
 # Properties read from `systemctl show`; the restart decision, the verification checks (the unit's
 # files: fragment and drop-ins) and the tests use them.
 UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "UnitFileState",
                    "NeedDaemonReload", "FragmentPath", "DropInPaths", "InvocationID")
-
-
-class VenvTarget(FactBase):
-    """
-    Where the stable venv path (`venv_path`, e.g. ``/opt/ml-env``) points.
-
-    Returns ``{"kind": "link", "target": "<resolved path>"}``, ``{"kind": "directory"}`` (a
-    hand-made venv not yet adopted as a release) or ``{"kind": "absent"}``.
-
-    + path: the stable venv path
-    """
-
-    def command(self, path: str) -> str:
-        quoted = shlex.quote(path)
-        return (f"if [ -L {quoted} ]; then printf 'link %s\\n' \"$({resolved_path(quoted)})\"; "
-                f"elif [ -d {quoted} ]; then echo directory; else echo absent; fi")
-
-    def process(self, output):
-        return parse_venv_target(output)
-
-    def default(self):
-        return {"kind": "absent"}
-
-
-def parse_venv_target(lines: list[str]) -> dict:
-    first = lines[0] if lines else "absent"
-    if first.startswith("link "):
-        return {"kind": "link", "target": first[len("link "):]}
-    if first == "directory":
-        return {"kind": "directory"}
-    return {"kind": "absent"}
-
-
-def release_id_of(venv_target: str | None, releases_dir: str) -> str | None:
-    """The release id if `venv_target` is `<releases_dir>/<id>/venv`, else None."""
-    if not venv_target:
-        return None
-    prefix = releases_dir.rstrip("/") + "/"
-    if not venv_target.startswith(prefix) or not venv_target.endswith("/venv"):
-        return None
-    release_id = venv_target[len(prefix):-len("/venv")]
-    return release_id if release_id and "/" not in release_id else None
-
-
-class Releases(FactBase):
-    """
-    Names of the release directories under `releases_dir` (empty when there is none).
-
-    + releases_dir: where the venv step builds releases (``venv_releases_dir``)
-    """
-
-    def command(self, releases_dir: str) -> str:
-        quoted = shlex.quote(releases_dir)
-        return f"if [ -d {quoted} ]; then ls -1 {quoted}; fi"
-
-    def process(self, output):
-        return sorted(line.strip() for line in output if line.strip())
-
-    def default(self):
-        return []
 
 
 class PatchsetDigest(FactBase):

@@ -136,13 +136,6 @@ def marker_path(state_dir: str) -> str:
     return f"{state_dir.rstrip('/')}/toolkit-install.json"
 
 
-def resolved_path(word: str) -> str:
-    """Shell printing what `readlink -f <word>` prints (a quoted word or "$var"): for a directory,
-    the builtins `cd -P` and `pwd -P` in a subshell (a fork, ~0.7 ms of a host's CPU, where readlink
-    is a program, ~2.2 ms; these run on every converge), for anything else readlink itself."""
-    return f"{{ (cd -P -- {word} 2>/dev/null && pwd -P) || readlink -f {word}; }}"
-
-
 def parse_tree(path: str, lines: list[str]) -> Tree:
     """Parse the `tree_*` lines of cuda-toolkits.sh `state`."""
     values: dict = {"path": path}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pyinfra.api import FactBase
 
 from facts.framing import Section, framed, split
+from facts.gpu import SMI_TIMEOUT_S
 from facts.patches import PATCH_ROOT, remote_command
 from facts.service import PATCH_RECORDS, UNIT_PROPERTIES
 from servestack.manifest import PROJECT_ROOT
@@ -87,7 +88,8 @@ class CudaSample(_Reported):
 
     def command(self, nvcc: str, work_parent: str) -> str:
         return reporting(script_command("verify-sample.sh", env={
-            "NVCC": nvcc, "WORK_PARENT": work_parent, "SOURCE": SAMPLE_SOURCE.read_text()}))
+            "NVCC": nvcc, "WORK_PARENT": work_parent, "SOURCE": SAMPLE_SOURCE.read_text(),
+            "SMI_TIMEOUT": SMI_TIMEOUT_S}))
 
 
 class PatchCheck(_Reported):

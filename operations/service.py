@@ -47,9 +47,10 @@ from pyinfra.operations import server
 from pyinfra.operations.util.files import generate_color_diff
 
 from facts.batch import FactRequest
-from facts.service import (PatchsetDigest, PathOwner, Releases, ServiceRecord, UnitState, UnreadableBy,
-                           UserAccount, VenvTarget, release_id_of)
-from operations.releases import Release, release_at
+from facts.service import PatchsetDigest, PathOwner, ServiceRecord, UnitState, UnreadableBy, UserAccount
+from facts.venv import MlEnvState, release_of
+from operations.releases import TOOL, Release, encode, release_at
+from operations.venv import mlenv_fact_arguments
 from servestack import bench, reads
 from servestack.errors import ConfigError
 from servestack.hostrun import noop, plan, refuse, refuse_now, while_busy
@@ -387,6 +388,9 @@ def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
         "SS_PREVIOUS_LABEL": label,
         "SS_HISTORY": f"{settings.servestack_state_dir}/{VENV_HISTORY}",
         "SS_PYTHON": settings.venv_python,
+        "SS_ML_ENV_TOOL": TOOL.read_text(),
+        "SS_ROLLBACK_RECORD": encode({"state_dir": settings.servestack_state_dir, "release": previous or "",
+                                      "previous": rel.id, "by": "service-rollback"}),
     }
 
 
@@ -484,10 +488,11 @@ def local_model_paths(settings: Settings) -> list[str]:
 
 def deploy_reads(settings: Settings) -> list[FactRequest]:
     """What `sglang_service` itself decides from when deploy.py runs (its operations read the rest):
-    the service user's account, the host's groups, where venv_path points before this run."""
+    the service user's account, the host's groups, the ML environment before this run (where
+    venv_path points: the venv step's own MlEnvState)."""
     return [FactRequest.of(Groups),
             FactRequest.of(UserAccount, user=settings.service_user),
-            FactRequest.of(VenvTarget, path=settings.venv_path)]
+            FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings))]
 
 
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
@@ -622,8 +627,9 @@ def unit(settings: Settings, release: Release, supplementary_groups: tuple[str, 
     + release: the release the unit runs (deploy.py: the one this run leaves active; in ``--dry``
       it may not exist yet, its paths are known)
     + supplementary_groups: groups giving the service user the GPU devices (``video``, ``render``)
-    + pre_deploy_venv: the ``VenvTarget`` fact read before the deploy changed anything; names the
-      release a unit servestack did not write belongs to, the first time servestack replaces it
+    + pre_deploy_venv: what sat at venv_path before the deploy changed anything (the ``venv_path``
+      of ``MlEnvState``); names the release a unit servestack did not write belongs to, the first
+      time servestack replaces it
 
     The first time servestack replaces a unit it did not write, that unit is kept as the last
     known-good one, so a failed first restart goes back to it. ``--diff`` shows the unit's diff.
@@ -680,18 +686,18 @@ def _release_of_unit(settings: Settings, lines: list[str]) -> str | None:
     for line in lines:
         if line.startswith("ExecStart="):
             program = line[len("ExecStart="):].split()[0].strip('"')
-            return release_id_of(program.rsplit("/bin/", 1)[0], settings.venv_releases_dir)
+            return release_of(program.rsplit("/bin/", 1)[0], settings.venv_releases_dir)
     return None
 
 
 def _pre_deploy_release(settings: Settings, pre_deploy_venv: dict | None) -> str | None:
     """The release the venv path pointed at before this deploy (a hand-made venv: its adopted release)."""
     pre = pre_deploy_venv or {}
-    if pre.get("kind") == "link":
-        return release_id_of(pre.get("target"), settings.venv_releases_dir)
-    if pre.get("kind") == "directory":
-        adopted = [name for name in reads.fact(host, Releases, releases_dir=settings.venv_releases_dir)
-                   if name.startswith("adopted-")]
+    if pre.get("kind") in ("link", "broken-link"):
+        return pre.get("release")
+    if pre.get("kind") in ("venv", "other"):
+        now = reads.fact(host, MlEnvState, **mlenv_fact_arguments(settings)) or {}
+        adopted = [name for name in now.get("releases", {}) if name.startswith("adopted-")]
         return max(adopted) if adopted else None
     return None
 
@@ -776,7 +782,7 @@ def sglang_service(release: Release):
     cache_directory(name="Service JIT cache directory", settings=settings, release=release)
     secrets_file(name="Service secrets file", settings=settings, content=secrets)
     unit(name=f"Unit {settings.service_name}", settings=settings, release=release, supplementary_groups=groups,
-         pre_deploy_venv=reads.fact(host, VenvTarget, path=settings.venv_path))
+         pre_deploy_venv=(reads.fact(host, MlEnvState, **mlenv_fact_arguments(settings)) or {}).get("venv_path"))
     restart(name=f"Health-gated restart of {settings.service_name}", settings=settings, release=release,
             secrets_sha=sha256_text(secrets) if secrets else None, supplementary_groups=groups,
             _parallel=settings.rollout_batch)

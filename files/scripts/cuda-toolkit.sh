@@ -87,7 +87,7 @@ this_run_log() {   # OFFSET: this run's installer log (the fresh tmp log, else w
     fi
 }
 
-install() {
+install_toolkit() {
     local out="$SS_TMP_DIR/servestack-cuda-installer.out" rc v why="" moved log_start=0 log log_found refused
     mkdir -p -- "$SS_TMP_DIR" "$SS_STATE_DIR" || exit 1
     if [ -n "${SS_BUSY_FILE:-}" ]; then   # the deploy runs it under busy.sh instead, which holds it
@@ -150,7 +150,7 @@ move_aside() {   # PATH MARKER
 command=${1:-}
 shift || true
 case $command in
-    install) install "$@" ;;
+    install) install_toolkit "$@" ;;
     restore-link) restore_link ;;
     point-link) point_link "$1" "$2" ;;
     move-aside) move_aside "$1" "$2" ;;

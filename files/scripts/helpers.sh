@@ -87,8 +87,8 @@ write_atomically() {
 }
 
 # Copy the file $1 to $2 atomically, mode $3: into $2.new.PID beside it, then rename(2) over $2.
-# Status 1 when a step fails: $2 untouched, nothing left behind. (`command install`: cuda-toolkit.sh
-# has a function of that name.)
+# Status 1 when a step fails: $2 untouched, nothing left behind. (`command install`: the program,
+# even in a script that defines a function of that name.)
 copy_atomically() {
     command install -m "$3" -- "$1" "$2.new.$$" && mv -fT -- "$2.new.$$" "$2" && return 0
     rm -f -- "$2.new.$$"

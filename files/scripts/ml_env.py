@@ -9,6 +9,8 @@ records are written safely:
     backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
     build     build one release beside the active one: venv, lock, ordered install, checks
     activate  adopt a hand-made venv if needed, then point venv_path at a release (rename(2))
+    record    add one switch made elsewhere to the activation history (the service's health gate
+              rolling back: files/scripts/sglang-health-gate.sh)
     prune     delete releases the control machine chose (never the active one)
     backups   print a summary of each kept snapshot (the listing command's fact; changes nothing)
 
@@ -538,6 +540,11 @@ def command_activate(params):
     return {"switched": True, "previous": current, "adopted": adopted}
 
 
+def command_record(params):
+    record_activation(params["state_dir"], params["release"], params["previous"], params["by"])
+    return {"recorded": params["release"]}
+
+
 def command_prune(params):
     import shutil
     releases_dir, removed = params["releases_dir"], []
@@ -555,7 +562,8 @@ def command_prune(params):
 
 
 COMMANDS = {"packages": command_packages, "backup": command_backup, "build": command_build,
-            "activate": command_activate, "prune": command_prune, "backups": command_backups}
+            "activate": command_activate, "prune": command_prune, "backups": command_backups,
+            "record": command_record}
 
 
 def main(argv):

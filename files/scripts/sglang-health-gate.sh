@@ -19,7 +19,9 @@
 #   SS_VENV_PATH         the stable venv path (a link to a release's venv)
 #   SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV  the last good release and its venv (empty: none known)
 #   SS_PREVIOUS_LABEL    how messages name what a rollback returns to
-#   SS_HISTORY SS_PYTHON the venv step's activation history (files/scripts/ml_env.py), a python
+#   SS_HISTORY SS_PYTHON the venv step's activation history, and the python that runs its tool
+#   SS_ML_ENV_TOOL       files/scripts/ml_env.py, which records a rollback in that history
+#   SS_ROLLBACK_RECORD   its `record` parameters for going back to SS_PREVIOUS_RELEASE (base64 JSON)
 #   SS_PROGRESS_EVERY    seconds between "waiting ... (N s of M s)" lines (default 5)
 # Output: progress lines on stdout; what failed (with the unit's last journal lines) on stderr.
 # Exit: 0 healthy; 1 failed, and rolled back (or stopped: no earlier healthy unit); 2 the
@@ -93,7 +95,7 @@ remember_good_unit() {
 # Point the stable venv path back at the previous release (a rename, as the venv step does).
 reactivate_previous_venv() {
   [ -n "$SS_PREVIOUS_VENV" ] || return 0
-  [ "$(readlink -f -- "$SS_VENV_PATH")" != "$SS_PREVIOUS_VENV" ] || return 0
+  [ "$(readlink -- "$SS_VENV_PATH")" != "$SS_PREVIOUS_VENV" ] || return 0  # the link as the venv step writes it
   if [ ! -x "$SS_PREVIOUS_VENV/bin/python" ]; then
     reason="the previous release's venv $SS_PREVIOUS_VENV is gone"
     return 1
@@ -101,23 +103,13 @@ reactivate_previous_venv() {
   point_link "$SS_VENV_PATH" "$SS_PREVIOUS_VENV" && record_reactivation
 }
 
-# Tell the venv step's activation history (files/scripts/ml_env.py) about the switch, so that
-# rollback.py and release pruning see which release is active; only where that history exists.
+# Tell the venv step's activation history about the switch, so that rollback.py and release
+# pruning see which release is active; only where that history exists. The venv step's own tool
+# (files/scripts/ml_env.py `record`) writes it.
 record_reactivation() {
   [ -n "$SS_PREVIOUS_RELEASE" ] && [ -f "$SS_HISTORY" ] || return 0
-  "$SS_PYTHON" - "$SS_HISTORY" "$SS_PREVIOUS_RELEASE" "$SS_RELEASE" <<'PY' || message "could not record the switch in $SS_HISTORY"
-import datetime, json, os, sys
-path, release, previous = sys.argv[1:4]
-with open(path) as handle:
-    history = json.load(handle)
-stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-history.setdefault("activations", []).append(
-    {"release": release, "previous": previous, "by": "service-rollback", "at": stamp})
-with open(path + ".tmp-servestack", "w") as handle:
-    json.dump(history, handle, indent=2, sort_keys=True)
-    handle.write("\n")
-os.replace(path + ".tmp-servestack", path)
-PY
+  "$SS_PYTHON" -I -S -c "$SS_ML_ENV_TOOL" record "$SS_ROLLBACK_RECORD" >/dev/null ||
+    message "could not record the switch in $SS_HISTORY"
 }
 
 restore_good_unit() { copy_atomically "$SS_GOOD_UNIT" "$SS_UNIT_PATH" 644; }

@@ -37,8 +37,9 @@ DEPLOY = """\
 from pyinfra import host
 from pyinfra.operations import server
 
-from facts.service import VenvTarget, release_id_of
+from facts.venv import MlEnvState
 from operations import service
+from operations.venv import mlenv_fact_arguments
 from servestack import reads
 from servestack.settings import host_settings
 
@@ -49,8 +50,7 @@ if host.data.get("test_activate_during_deploy"):
                  commands=[host.data.get("test_activate_during_deploy")])
     release_id = host.data.get("test_release")
 else:  # the release the test activated, as the venv step would have
-    target = reads.fact(host, VenvTarget, path=settings.venv_path).get("target")
-    release_id = release_id_of(target, settings.venv_releases_dir)
+    release_id = reads.fact(host, MlEnvState, **mlenv_fact_arguments(settings))["venv_path"]["release"]
 service.sglang_service(service.release(settings, release_id))
 """
 

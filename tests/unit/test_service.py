@@ -18,8 +18,8 @@ from pyinfra.api.operations import run_ops
 from pyinfra.facts.files import FileContents
 
 from facts.batch import FactRequest
-from facts.service import (UserAccount, combine_digests, parse_properties, parse_record, parse_venv_target,
-                           release_id_of)
+from facts.service import UserAccount, combine_digests, parse_properties, parse_record
+from facts.venv import MlEnvState
 from operations import service
 from servestack.errors import ConfigError
 from servestack.scripts import SCRIPTS, script_text
@@ -265,16 +265,23 @@ def test_gate_command_quotes_every_input():
 
 # -- fact parsers -----------------------------------------------------------------------------------
 
-def test_venv_target_and_release_id():
-    assert parse_venv_target(["link /opt/servestack/releases/r-1/venv"]) == {
-        "kind": "link", "target": "/opt/servestack/releases/r-1/venv"}
-    assert parse_venv_target(["directory"]) == {"kind": "directory"}
-    assert parse_venv_target([]) == {"kind": "absent"}
-    assert release_id_of("/opt/servestack/releases/r-1/venv", "/opt/servestack/releases") == "r-1"
-    assert release_id_of("/opt/servestack/releases/r-1/venv", "/opt/servestack/releases/") == "r-1"
-    assert release_id_of("/opt/other/r-1/venv", "/opt/servestack/releases") is None
-    assert release_id_of("/opt/servestack/releases/a/b/venv", "/opt/servestack/releases") is None
-    assert release_id_of(None, "/opt/servestack/releases") is None
+def test_the_release_before_the_deploy_is_read_through_a_linked_releases_dir(tmp_path):
+    """The service step names the release venv_path pointed at before the deploy from the venv
+    step's own MlEnvState read (the link as written, not resolved): a releases dir on another disk
+    behind a symlink (/opt/servestack -> /data/servestack) still names its release."""
+    disk = tmp_path / "data" / "releases"
+    (disk / RELEASE_ID / "venv").mkdir(parents=True)
+    (disk / RELEASE_ID / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (tmp_path / "releases").symlink_to(disk)
+    (tmp_path / "ml-env").symlink_to(tmp_path / "releases" / RELEASE_ID / "venv")
+    s = settings(venv_path=str(tmp_path / "ml-env"), venv_releases_dir=str(tmp_path / "releases"),
+                 servestack_state_dir=str(tmp_path / "state"), venv_python=shutil.which("python3"))
+    [request] = [request for request in service.deploy_reads(s) if request.cls is MlEnvState]
+    fact, command = request._rendered
+    result = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True)
+    before = fact.process(result.stdout.splitlines())["venv_path"]
+    assert before["realpath"] == str(disk / RELEASE_ID / "venv")
+    assert service._pre_deploy_release(s, before) == RELEASE_ID
 
 
 def test_systemctl_show_properties():

@@ -7,6 +7,7 @@ healthy and answers /generate.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -19,7 +20,8 @@ import pytest
 
 from facts.service import parse_record
 from operations import service
-from servestack.scripts import atomic_write_command, script_command
+from operations.releases import TOOL
+from servestack.scripts import SCRIPTS, atomic_write_command, script_command
 from servestack.settings import settings_from_data
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the scripts set root ownership")
@@ -222,6 +224,19 @@ def test_a_failed_release_is_rolled_back_to_the_last_good_release_and_unit(gate)
     assert (last["release"], last["previous"], last["by"]) == ("r-a", "r-b", "service-rollback")
     assert (gate.root / "releases" / "r-b" / "venv" / "bin" / "python").exists()  # kept for inspection
     assert gate.record() is None  # the failed unit is never recorded as healthy
+
+
+def test_the_gate_records_its_rollback_with_the_venv_steps_tool():
+    """One writer of the activation history (files/scripts/ml_env.py): the gate runs no Python
+    of its own."""
+    text = (SCRIPTS / service.GATE_SCRIPT).read_text()
+    assert "<<" not in text and 'record "$SS_ROLLBACK_RECORD"' in text
+    env = service.gate_environment(settings(), service.release(settings(), "r-0123456789ab"), "f" * 64,
+                                   {"release": "r-ba9876543210"})
+    assert env["SS_ML_ENV_TOOL"] == TOOL.read_text()
+    assert json.loads(base64.b64decode(env["SS_ROLLBACK_RECORD"])) == {
+        "state_dir": "/var/lib/servestack", "release": "r-ba9876543210", "previous": "r-0123456789ab",
+        "by": "service-rollback"}
 
 
 def test_a_failure_with_no_earlier_healthy_unit_stops_the_service(gate):

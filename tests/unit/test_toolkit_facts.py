@@ -221,27 +221,6 @@ def test_runfile_digest_reads_size_md5_and_sha256(tmp_path):
     assert not fact_output(RunfileDigest(), path=str(tmp_path / "nope")).present
 
 
-def test_resolved_path_prints_what_readlink_f_prints(tmp_path):
-    """Directories through the shell's cd -P / pwd -P, anything else through readlink itself."""
-    import shlex
-    import subprocess
-
-    from facts.toolkit import resolved_path
-
-    (tmp_path / "cuda-12.8" / "bin").mkdir(parents=True)
-    (tmp_path / "cuda-12.8" / "bin" / "nvcc").write_text("")
-    (tmp_path / "alternatives").mkdir()
-    (tmp_path / "alternatives" / "cuda").symlink_to(tmp_path / "cuda-12.8")
-    (tmp_path / "cuda").symlink_to(tmp_path / "alternatives" / "cuda")
-    (tmp_path / "nvcc").symlink_to("cuda/bin/nvcc")
-    (tmp_path / "dangling").symlink_to("nowhere")
-    for name in ("cuda", "cuda-12.8", "alternatives/cuda", "nvcc", "dangling", "missing", "missing/deeper", "cuda/bin/"):
-        word = shlex.quote(str(tmp_path / name))
-        ours = subprocess.run(["sh", "-c", resolved_path(word)], capture_output=True, text=True)
-        real = subprocess.run(["sh", "-c", f"readlink -f {word}"], capture_output=True, text=True)
-        assert (ours.stdout, ours.returncode) == (real.stdout, real.returncode), name
-
-
 def logging_path(tmp_path, names) -> tuple[dict, Path]:
     """A PATH whose `names` log their name to a file, then run the real program."""
     import shutil

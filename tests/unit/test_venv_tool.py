@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import os
 import platform
 import shutil
@@ -235,6 +236,18 @@ def test_the_fact_judges_venv_path_as_the_host_tool_does(host, tmp_path, kind):
     activate) are two readings of one rule: they must agree."""
     _at_venv_path(kind, host, tmp_path)
     assert read_state(host)["venv_path"] == ml_env.venv_path_state(host["venv_path"], host["releases_dir"])
+
+
+def test_a_release_behind_a_linked_releases_dir_is_named(host, tmp_path):
+    """releases_dir may sit on another disk behind a symlink: the link venv_path holds names the
+    release all the same, for the fact as for the host tool (neither resolves it first)."""
+    disk = tmp_path / "data" / "releases"
+    disk.mkdir(parents=True)
+    os.symlink(disk, host["releases_dir"])
+    _at_venv_path("link to a release", host, tmp_path)
+    state = read_state(host)["venv_path"]
+    assert state["release"] == "r-0123456789ab" and state["realpath"] == str(disk / "r-0123456789ab" / "venv")
+    assert state == ml_env.venv_path_state(host["venv_path"], host["releases_dir"])
 
 
 def test_release_records_as_the_host_tool_wrote_them(host):
@@ -507,6 +520,23 @@ def test_check_script_reports_every_problem(tmp_path):
     assert any("pytest is " in p and "expected 0.0.1" in p for p in problems)
     assert any("no-such-package-xyz is not installed" in p for p in problems)
     assert any("import no_such_module_xyz failed" in p for p in problems)
+
+
+def test_record_adds_a_switch_made_elsewhere_to_the_history(host):
+    """The service's health gate records its rollback with this command (one writer of the
+    history): appended after what is there, in the activations' own format."""
+    os.makedirs(host["state_dir"])
+    earlier = {"release": "r-0123456789ab", "previous": None, "by": "deploy", "at": "20260101T000000Z"}
+    Path(host["state_dir"], ml_env.HISTORY).write_text(json.dumps({"activations": [earlier]}))
+    rc, output, stderr = run_tool("record", {"state_dir": host["state_dir"], "release": "r-0123456789ab",
+                                             "previous": "r-ba9876543210", "by": "service-rollback"})
+    assert rc == 0, stderr
+    assert output == {"recorded": "r-0123456789ab"}
+    history = json.loads(Path(host["state_dir"], ml_env.HISTORY).read_text())["activations"]
+    assert history[0] == earlier
+    assert {key: history[1][key] for key in ("release", "previous", "by")} == {
+        "release": "r-0123456789ab", "previous": "r-ba9876543210", "by": "service-rollback"}
+    assert re.fullmatch(r"\d{8}T\d{6}Z", history[1]["at"])
 
 
 def test_activate_refuses_a_directory_that_is_not_a_venv(host):

@@ -11,14 +11,16 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from facts.framing import BEGIN, Section
-from facts.gpu import parse_gpu_output
+from facts.gpu import SMI_TIMEOUT_S, parse_gpu_output
 from facts.toolkit import fingerprint_command, parse_fingerprint, parse_toolkits
-from facts.verify import MARK, OUTPUT, SAMPLE_SOURCE, HostReport, VerifyHost, parse_host_report, reporting, reported
+from facts.verify import (MARK, OUTPUT, SAMPLE_SOURCE, CudaSample, HostReport, VerifyHost, parse_host_report,
+                          reporting, reported)
 from operations.toolkit import kept_paths
 from servestack.checks.catalogue import CHECKS, CHECKS_BY_NAME, groups_for
 from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
@@ -359,13 +361,14 @@ def test_the_sample_script_skips_where_there_is_no_gpu_device_node(h200):
     assert h200.read(settings, "sample").sample.rc == 4
 
 
-def run_sample_script(h200, nvcc: str, sample: str) -> Section:
-    """verify-sample.sh with stand-ins for nvidia-smi and nvcc (whose program prints $SAMPLE), its
-    device node test taken as passed (this machine has no GPU)."""
-    write_script(h200.bin / "nvidia-smi", "#!/bin/sh\nprintf '9.0\\n9.0\\n'\n")
+def run_sample_script(h200, nvcc: str, sample: str, smi: str = "printf '9.0\\n9.0\\n'",
+                      smi_timeout: int = SMI_TIMEOUT_S) -> Section:
+    """verify-sample.sh with stand-ins for nvidia-smi (its shell `smi`) and nvcc (whose program
+    prints $SAMPLE), its device node test taken as passed (this machine has no GPU)."""
+    write_script(h200.bin / "nvidia-smi", f"#!/bin/sh\n{smi}\n")
     write_script(h200.bin / "nvcc", "#!/bin/sh\n" + nvcc)
     env = {"NVCC": str(h200.bin / "nvcc"), "WORK_PARENT": str(h200.state), "SOURCE": SAMPLE_SOURCE.read_text(),
-           "PATH": f"{h200.bin}:{os.environ['PATH']}", "SAMPLE": sample}
+           "PATH": f"{h200.bin}:{os.environ['PATH']}", "SAMPLE": sample, "SMI_TIMEOUT": str(smi_timeout)}
     text = script_text("verify-sample.sh").replace("test -e /dev/nvidiactl", "true")  # no device node here
     run = subprocess.run(["bash", "-c", reporting(f"bash -c {shlex.quote(text)} verify-sample.sh")],
                          capture_output=True, text=True, env=env, timeout=60)
@@ -384,6 +387,14 @@ def test_the_sample_script_builds_for_each_gpu_architecture_once_and_cleans_up(h
     failed = run_sample_script(h200, "echo 'nvcc fatal : cannot find g++' >&2; exit 1\n", "")
     assert failed.rc == 7 and "nvcc fatal : cannot find g++" in failed.lines and failed.lines[-1] == "nvcc failed"
     assert list(h200.state.iterdir()) == []
+
+
+def test_the_sample_script_gives_a_hung_nvidia_smi_the_gpu_facts_time_and_no_more(h200):
+    started = time.monotonic()
+    hung = run_sample_script(h200, "exit 1\n", "", smi="exec sleep 30", smi_timeout=1)
+    assert time.monotonic() - started < 20
+    assert hung.rc == 5 and hung.lines[-1] == "nvidia-smi reported no compute capability within 1 s"
+    assert f"SMI_TIMEOUT={SMI_TIMEOUT_S} " in CudaSample().command(nvcc="/x/nvcc", work_parent="/var/lib/servestack")
 
 
 # --- the release: torch and packages ------------------------------------------------------
