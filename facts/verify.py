@@ -129,6 +129,7 @@ class HostReport:
     toolkit_package: tuple[str, ...] = ()     # `dpkg NAME VERSION`, `dpkg-release ...`, `rpm ...`, `wheel ...`
     toolkit_path: str | None = None
     venv: str | None = None                   # the active venv, resolved
+    venv_link: str | None = None              # the stable venv path's link, as written
     records: tuple[str, ...] = ()             # patch records beside it
     release_state: tuple[str, ...] = ()
     systemd: bool = False
@@ -168,6 +169,7 @@ def parse_host_report(lines: list[str]) -> HostReport:
         toolkit_package=tuple(found.get("package", ())),
         toolkit_path=first("toolkit_path"),
         venv=first("venv"),
+        venv_link=first("venv_link"),
         records=tuple(found.get("record", ())),
         release_state=tuple(found.get("release_state", ())),
         systemd=first("systemd") == "running",

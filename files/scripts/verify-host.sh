@@ -20,6 +20,8 @@
 #                       `rpm NAME VERSION`, `wheel NAME VERSION`
 #   toolkit_path        CUDA resolved (readlink -f)
 #   venv                VENV resolved, when it is a directory
+#   venv_link           VENV's link as written (readlink), when it is a link: it names the active
+#                       release as the venv step reads it (facts/venv.py release_of)
 #   record              a patch record (RECORDS) beside that venv
 #   release_state       what the release's checks depend on beyond its path: site-packages and its
 #                       mtime (a package added or removed), each record's sha256
@@ -88,6 +90,7 @@ active_release() {
     venv=$resolved
     [ -n "$venv" ] || return
     say venv "$venv"
+    if [ -L "$VENV" ]; then say venv_link "$(readlink -- "$VENV")"; fi
     dir=${venv%/*}
     dir=${dir:-/}
     for name in $RECORDS; do

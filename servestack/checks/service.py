@@ -61,7 +61,7 @@ def _other_toolkit(entry: str, cuda: str) -> bool:
 
 def _pinned_for_active_release(settings: Settings, readings) -> dict[str, str] | None:
     """What the service step pins for the active release (operations/service.py), or None."""
-    release_id = release_of(readings.host.venv or "", settings.venv_releases_dir)
+    release_id = release_of(readings.host.venv_link or "", settings.venv_releases_dir)
     if release_id is None:
         return None
     expected = dict(pinned_environment(settings, release(settings, release_id), None))

@@ -509,16 +509,35 @@ def test_the_host_script_finds_the_active_release_and_its_records(h200):
     assert [line.split()[0] for line in host.release_state] == [str(site), record_sha256]
 
 
+def test_the_active_release_is_named_through_a_linked_releases_dir(h200):
+    """The releases dir may be a link to another disk (/opt/servestack -> /data/servestack): the
+    host script reports the venv path's link as written, which names the release, as the venv
+    step reads it."""
+    disk = h200.root / "data" / "releases"
+    (disk / "r-0123456789ab" / "venv" / "lib" / "python3.12" / "site-packages").mkdir(parents=True)
+    (h200.root / "opt" / "servestack").mkdir(parents=True)
+    (h200.root / "opt" / "servestack" / "releases").symlink_to(disk)
+    settings = h200.settings(venv_releases_dir=str(h200.root / "opt" / "servestack" / "releases"))
+    linked = f"{settings.venv_releases_dir}/r-0123456789ab/venv"
+    (h200.root / "opt" / "ml-env").symlink_to(linked)
+    host = h200.read(settings, "host").host
+    assert (host.venv, host.venv_link) == (str(disk / "r-0123456789ab" / "venv"), linked)
+    result = outcome("service_environment", settings, service_read(settings, venv=host.venv))
+    assert result.passed, result.detail
+
+
 # --- the service ------------------------------------------------------------------------------
 
 
 def service_read(settings, env: dict | None = None, user: str = "sglang", stat: str = "600 root root",
-                  names: int = 0, values: int = 0, active: str = "active") -> Readings:
+                  names: int = 0, values: int = 0, active: str = "active", venv: str | None = None) -> Readings:
+    """The service as the checks read it; `venv`: where venv_path resolves (default: as linked)."""
     from operations.service import release, service_environment
 
     pinned = dict(service_environment(settings, release(settings, "r-0123456789ab"), "digest"))
+    linked = f"{settings.venv_releases_dir}/r-0123456789ab/venv"
     return Readings("h200", host=HostReport(
-        systemd=True, venv=f"{settings.venv_releases_dir}/r-0123456789ab/venv",
+        systemd=True, venv=venv or linked, venv_link=linked,
         unit={"LoadState": "loaded", "UnitFileState": "enabled", "ActiveState": active, "SubState": "running",
               "MainPID": "42"},
         process_user=user, process_env={**pinned, **(env or {})},
