@@ -33,24 +33,36 @@ invocation=""
 
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
 
-unit_state() { systemctl show --property=ActiveState --value -- "$SS_UNIT" 2>/dev/null; }
+# The unit's state, in one `systemctl show`: sets $active $sub $restarts $result $exit_status.
+read_unit_state() {
+  local key value
+  active= sub= restarts= result= exit_status=
+  while IFS='=' read -r key value; do
+    case $key in
+      ActiveState) active=$value ;;
+      SubState) sub=$value ;;
+      NRestarts) restarts=$value ;;
+      Result) result=$value ;;
+      ExecMainStatus) exit_status=$value ;;
+    esac
+  done < <(systemctl show --property=ActiveState,SubState,NRestarts,Result,ExecMainStatus -- "$SS_UNIT" 2>/dev/null)
+}
 
 # Wait up to $1 s for GET /health to answer 200; stop early when systemd gave up on the unit.
 wait_ready() {
-  local started=$SECONDS deadline=$((SECONDS + $1)) next_note=$((SECONDS + ${SS_PROGRESS_EVERY:-5})) state
+  local started=$SECONDS deadline=$((SECONDS + $1)) next_note=$((SECONDS + ${SS_PROGRESS_EVERY:-5}))
   while :; do
     if curl -fsS -o /dev/null --max-time 10 "$SS_URL/health" 2>/dev/null; then
       return 0
     fi
-    state=$(unit_state)
+    read_unit_state
     # A server that exits while starting is broken: do not wait out the timeout for Restart= to loop.
-    if [ "$state" = failed ] || [ "$(systemctl show --property=NRestarts --value -- "$SS_UNIT" 2>/dev/null)" != 0 ] \
-       || [ "$(systemctl show --property=SubState --value -- "$SS_UNIT" 2>/dev/null)" = auto-restart ]; then
-      reason="the server exited before /health answered ($(systemctl show --property=Result --value -- "$SS_UNIT" 2>/dev/null), exit status $(systemctl show --property=ExecMainStatus --value -- "$SS_UNIT" 2>/dev/null))"
+    if [ "$active" = failed ] || [ "${restarts:-0}" != 0 ] || [ "$sub" = auto-restart ]; then
+      reason="the server exited before /health answered ($result, exit status $exit_status)"
       return 1
     fi
     if (( SECONDS >= deadline )); then
-      reason="no HTTP 200 from GET /health within $1 s (unit $state)"
+      reason="no HTTP 200 from GET /health within $1 s (unit $active)"
       return 1
     fi
     if (( SECONDS >= next_note )); then  # output keeps long waits visible and the SSH session alive

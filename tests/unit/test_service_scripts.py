@@ -123,12 +123,12 @@ case $1 in
     daemon-reload|restart|stop) exit 0 ;;
     show)
         case $2 in
-            --property=ActiveState) if broken; then echo failed; else echo active; fi ;;
-            --property=NRestarts) echo 0 ;;
-            --property=SubState) if broken; then echo failed; else echo running; fi ;;
-            --property=Result) echo exit-code ;;
-            --property=ExecMainStatus) echo 1 ;;
+            --property=ActiveState,SubState,NRestarts,Result,ExecMainStatus)
+                if broken; then printf 'ActiveState=failed\nSubState=failed\n'
+                else printf 'ActiveState=active\nSubState=running\n'; fi
+                printf 'NRestarts=0\nResult=exit-code\nExecMainStatus=1\n' ;;
             --property=InvocationID) echo 0123abcd ;;
+            *) echo "systemctl stand-in: unexpected $*" >&2; exit 1 ;;
         esac ;;
 esac
 """
@@ -237,6 +237,13 @@ def test_the_gate_records_its_rollback_with_the_venv_steps_tool():
     assert json.loads(base64.b64decode(env["SS_ROLLBACK_RECORD"])) == {
         "state_dir": "/var/lib/servestack", "release": "r-ba9876543210", "previous": "r-0123456789ab",
         "by": "service-rollback"}
+
+
+def test_the_gate_reads_the_units_state_in_one_systemctl_call_per_poll(gate):
+    gate.run_after_a_healthy_one("ExecStart=release r-a\n", "ExecStart=release r-b BROKEN\n")
+    shows = [line for line in gate.log.read_text().splitlines() if line.startswith("systemctl show")]
+    state = "systemctl show --property=ActiveState,SubState,NRestarts,Result,ExecMainStatus -- sglang.service"
+    assert shows and set(shows) == {state, "systemctl show --property=InvocationID --value -- sglang.service"}
 
 
 def test_a_failure_with_no_earlier_healthy_unit_stops_the_service(gate):
