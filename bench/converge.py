@@ -9,6 +9,9 @@ rounds (--repeat) each time, for every fleet size N (`--limit`: the first N host
 converge (`pyinfra -y --json`, which must report zero changes), one dry run (`pyinfra --dry`) and,
 as the floor to compare with, plain pyinfra running a one-command deploy (`server.shell("true")`,
 `-y`, the same inventory, from a directory without servestack's config.py).
+With --shape, two more modes split the no-op's gap from plain (SHAPE_DEPLOY): "shape", as many
+operations and remote commands as the no-op has, each command `true`; "texts", the same with the
+texts the no-op sent each host (kept from one more no-op before the rounds).
 Wall time is the whole pyinfra process, as a user sees it (Python start-up, inventory, connecting,
 facts, operations). The median of the K runs is reported, and the ratios N/1 both of the medians
 and "paired" (the median of each round's own ratio: the sizes of one round ran moments apart). Remote commands are counted by bench/counting_pyinfra.py, a wrapper
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -67,9 +71,47 @@ def _hosts_cpu_usec(lab: Lab) -> dict[str, int | None]:
 
 PLAIN_DEPLOY = 'from pyinfra.operations import server\n\nserver.shell(name="one command", commands=["true"])\n'
 
+# The no-op's shape without servestack's code: as many operations and remote commands per host as
+# the no-op has, issued where the no-op issues them (the first while the deploy file runs, the last
+# by the last operation, the others by the first), each `true` or, with SHAPE_TEXTS, the text the
+# no-op sent that host (read from SHAPE_TEXTS/<host>-<n>.sh). So the gap from plain splits into
+# pyinfra's cost of the shape (mode "shape"), the host's cost of what the commands do ("texts")
+# and servestack's own controller code (the rest, up to "noop").
+SHAPE_DEPLOY = '''import os
+
+from pyinfra import host
+from pyinfra.api import operation
+from pyinfra.facts.server import Command
+from pyinfra.operations import server
+
+TEXTS = os.environ.get("SHAPE_TEXTS")
+
+
+def text(number):
+    if not TEXTS:
+        return "true"
+    with open(os.path.join(TEXTS, f"{host.name}-{number}.sh")) as handle:
+        return handle.read()
+
+
+@operation(is_idempotent=True)
+def nothing():
+    host.noop("nothing to do")
+    return
+    yield
+
+
+COMMANDS, OPERATIONS = int(os.environ["SHAPE_COMMANDS"]), int(os.environ["SHAPE_OPERATIONS"])
+host.get_fact(Command, command=text(1))
+server.shell(name="first", commands=[text(number) for number in range(2, COMMANDS)])
+for number in range(OPERATIONS - 2):
+    nothing(name=f"nothing {number}")
+server.shell(name="last", commands=[text(COMMANDS)])
+'''
+
 
 def pyinfra(lab: Lab, hosts: list[str], *args: str, deploy: str = "deploy.py", cwd: Path = ROOT,
-            timeout: int = 3600) -> tuple[float, dict, subprocess.CompletedProcess]:
+            timeout: int = 3600, env: dict | None = None) -> tuple[float, dict, subprocess.CompletedProcess]:
     """One pyinfra run against `hosts`; (wall seconds, counts per host, the process).
 
     Counts per host: remote commands and transfers (counting_pyinfra.py) and the CPU time the host
@@ -81,7 +123,8 @@ def pyinfra(lab: Lab, hosts: list[str], *args: str, deploy: str = "deploy.py", c
     argv = [sys.executable, str(COUNTER), counts_path, str(lab.inventory_path), deploy, *limits, *args]
     cpu_before, hosts_before = _children_cpu_s(), _hosts_cpu_usec(lab)
     started = time.perf_counter()
-    result = subprocess.run(lab.controller_argv(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(lab.controller_argv(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})})
     elapsed = time.perf_counter() - started
     cpu_after, hosts_after = _children_cpu_s(), _hosts_cpu_usec(lab)
     try:
@@ -139,12 +182,58 @@ def per_host(counts: dict, hosts: list[str]) -> dict:
 
 
 MODES = ("noop", "dry", "plain")
+SHAPE_MODES = ("shape", "texts")
 
 
-def timed_run(lab: Lab, hosts: list[str], mode: str, plain_dir: Path) -> tuple[float, dict]:
-    """One no-op converge, dry run or plain one-command deploy of `hosts`: wall time, per-host counts."""
-    args = ("-y", "--json") if mode in ("noop", "plain") else ("--dry",)
-    where = {"deploy": str(plain_dir / "plain.py"), "cwd": plain_dir} if mode == "plain" else {}
+@dataclass(frozen=True)
+class Shape:
+    """The no-op's shape (--shape): its operations and remote commands per host, and where the
+    commands' texts are kept (SHAPE_DEPLOY)."""
+
+    operations: int
+    commands: int
+    texts: Path
+
+
+def sort_by_host(sent: Path, texts: Path) -> None:
+    """counting_pyinfra.py's NNN-HOST.sh (NNN counts every host's commands) moved to texts/HOST-N.sh
+    (N counts that host's)."""
+    numbers: dict[str, int] = {}
+    for path in sorted(sent.iterdir()):
+        name = path.stem.split("-", 1)[1]
+        numbers[name] = numbers.get(name, 0) + 1
+        path.rename(texts / f"{name}-{numbers[name]}.sh")
+
+
+def no_op_shape(lab: Lab, names: list[str], plain_dir: Path) -> Shape:
+    """One more no-op converge of `names`, keeping what it sent (BENCH_COMMAND_TEXTS): each host's
+    commands in the order sent, as <host>-<n>.sh."""
+    sent, texts = Path(tempfile.mkdtemp(prefix="servestack-bench-sent-")), plain_dir / "texts"
+    texts.mkdir()
+    _, counts, result = pyinfra(lab, names, "-y", "--json", env={"BENCH_COMMAND_TEXTS": str(sent)})
+    if result.returncode != 0 or changes(result):
+        raise BenchFailed(f"the no-op before --shape failed or changed something:\n{(result.stdout + result.stderr)[-4000:]}")
+    sort_by_host(sent, texts)
+    sent.rmdir()
+    commands = {counts[name]["commands"] for name in names}
+    if len(commands) != 1 or min(commands) < 3:
+        raise BenchFailed(f"--shape needs the same 3 or more remote commands on every host, not {sorted(commands)}")
+    operations = len(json.loads(result.stdout)["results"]["operations"])
+    (plain_dir / "shape.py").write_text(SHAPE_DEPLOY)
+    return Shape(operations, commands.pop(), texts)
+
+
+def timed_run(lab: Lab, hosts: list[str], mode: str, plain_dir: Path,
+              shape: Shape | None = None) -> tuple[float, dict]:
+    """One no-op converge, dry run, plain one-command deploy or (with `shape`) shape run of `hosts`:
+    wall time, per-host counts."""
+    args = ("-y", "--json") if mode != "dry" else ("--dry",)
+    where: dict = {"deploy": str(plain_dir / "plain.py"), "cwd": plain_dir} if mode == "plain" else {}
+    if mode in SHAPE_MODES:
+        env = {"SHAPE_OPERATIONS": str(shape.operations), "SHAPE_COMMANDS": str(shape.commands)}
+        if mode == "texts":
+            env["SHAPE_TEXTS"] = str(shape.texts)
+        where = {"deploy": str(plain_dir / "shape.py"), "cwd": plain_dir, "env": env}
     elapsed, counts, result = pyinfra(lab, hosts, *args, **where)
     if result.returncode != 0:
         raise BenchFailed(f"{mode} on {len(hosts)} host(s) failed (exit {result.returncode}):\n"
@@ -154,21 +243,23 @@ def timed_run(lab: Lab, hosts: list[str], mode: str, plain_dir: Path) -> tuple[f
     return elapsed, per_host(counts, hosts)
 
 
-def measure_rounds(lab: Lab, names: list[str], sizes: list[int], repeat: int) -> list[dict]:
+def measure_rounds(lab: Lab, names: list[str], sizes: list[int], repeat: int, with_shape: bool = False) -> list[dict]:
     """`repeat` rounds, each timing every fleet size and mode once: a machine whose speed drifts
     (a shared VM) then slows every size alike instead of whichever size was measured during the slump."""
     samples: dict[tuple[int, str], list[tuple[float, dict]]] = {}
     plain_dir = Path(tempfile.mkdtemp(prefix="servestack-bench-plain-"))
     (plain_dir / "plain.py").write_text(PLAIN_DEPLOY)
+    shape = no_op_shape(lab, names, plain_dir) if with_shape else None
+    modes = MODES + (SHAPE_MODES if with_shape else ())
     for round_number in range(1, repeat + 1):
         for size in sizes:
-            for mode in MODES:
-                samples.setdefault((size, mode), []).append(timed_run(lab, names[:size], mode, plain_dir))
+            for mode in modes:
+                samples.setdefault((size, mode), []).append(timed_run(lab, names[:size], mode, plain_dir, shape))
         console.print(f"round {round_number}/{repeat}: " + ", ".join(
-            f"{mode} {size}: {samples[(size, mode)][-1][0]:.2f} s" for size in sizes for mode in MODES))
+            f"{mode} {size}: {samples[(size, mode)][-1][0]:.2f} s" for size in sizes for mode in modes))
     rows = []
     for size in sizes:
-        for mode in MODES:
+        for mode in modes:
             times = [elapsed for elapsed, _ in samples[(size, mode)]]
             median_run = samples[(size, mode)][times.index(sorted(times)[len(times) // 2])][1]
             rows.append({"hosts": size, "mode": mode, "times_s": [round(t, 3) for t in times],
@@ -182,11 +273,11 @@ def ratios(rows: list[dict]) -> dict:
     out = {}
     plain = {row["hosts"]: row for row in rows if row["mode"] == "plain"}
     for row in rows:
-        if row["mode"] == "noop" and row["hosts"] in plain:
+        if row["mode"] in ("noop", *SHAPE_MODES) and row["hosts"] in plain:
             base = plain[row["hosts"]]
-            out[f"noop/plain {row['hosts']}"] = round(row["median_s"] / base["median_s"], 2)
+            out[f"{row['mode']}/plain {row['hosts']}"] = round(row["median_s"] / base["median_s"], 2)
             paired = [t / b for t, b in zip(row["times_s"], base["times_s"])]
-            out[f"noop/plain {row['hosts']} paired"] = round(statistics.median(paired), 2)
+            out[f"{row['mode']}/plain {row['hosts']} paired"] = round(statistics.median(paired), 2)
     for mode in ("noop", "dry"):
         by_size = {row["hosts"]: row for row in rows if row["mode"] == mode}
         smallest = min(by_size)
@@ -226,6 +317,8 @@ def main() -> int:
     parser.add_argument("--name", default="bench", help="sandbox name (short)")
     parser.add_argument("--note", default="", help="free text stored with the results")
     parser.add_argument("--label", default=None, help="name the results by this instead of the git commit")
+    parser.add_argument("--shape", action="store_true",
+                        help="also time the no-op's shape without servestack's code (modes shape, texts: SHAPE_DEPLOY)")
     options = parser.parse_args()
     sizes = sorted(set(options.hosts))
     lab = Lab(options.name)
@@ -236,7 +329,7 @@ def main() -> int:
         console.print(f"lab up: {max(sizes)} host(s) in {time.perf_counter() - started:.1f} s")
         names = [host.name for host in lab.hosts]
         converge(lab, names)
-        rows = measure_rounds(lab, names, sizes, options.repeat)
+        rows = measure_rounds(lab, names, sizes, options.repeat, options.shape)
     except BenchFailed as error:
         console.print(f"[red]bench failed:[/] {error}", markup=True, highlight=False)
         return 1
