@@ -71,7 +71,6 @@ FIRST_LOGIN_UID = 1000
 GENERATE_REQUEST = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 GENERATE_TIMEOUT_S = 300
 RUNNING_STATES = ("active", "activating", "reloading")
-VENV_HISTORY = "releases.json"  # the venv step's activation history in the state dir (files/scripts/ml_env.py)
 
 # Environment pinned by servestack: host data may not override these (service_env / secrets).
 PINNED_ENV = ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "FLASHINFER_WORKSPACE_BASE",
@@ -386,11 +385,11 @@ def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
         "SS_PREVIOUS_RELEASE": previous or "",
         "SS_PREVIOUS_VENV": previous_venv,
         "SS_PREVIOUS_LABEL": label,
-        "SS_HISTORY": f"{settings.servestack_state_dir}/{VENV_HISTORY}",
         "SS_PYTHON": settings.venv_python,
         "SS_ML_ENV_TOOL": TOOL.read_text(),
         "SS_ROLLBACK_RECORD": encode({"state_dir": settings.servestack_state_dir, "release": previous or "",
-                                      "previous": rel.id, "by": "service-rollback"}),
+                                      "previous": rel.id, "by": "service-rollback",
+                                      "only_where_kept": True}),
     }
 
 

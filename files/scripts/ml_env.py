@@ -541,6 +541,10 @@ def command_activate(params):
 
 
 def command_record(params):
+    """A switch made elsewhere (the service's health gate rolling back); with `only_where_kept`,
+    only where the history exists (a host whose venv this tool never activated has none)."""
+    if params.get("only_where_kept") and not os.path.isfile(os.path.join(params["state_dir"], HISTORY)):
+        return {"recorded": None}
     record_activation(params["state_dir"], params["release"], params["previous"], params["by"])
     return {"recorded": params["release"]}
 

@@ -19,8 +19,9 @@
 #   SS_VENV_PATH         the stable venv path (a link to a release's venv)
 #   SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV  the last good release and its venv (empty: none known)
 #   SS_PREVIOUS_LABEL    how messages name what a rollback returns to
-#   SS_HISTORY SS_PYTHON the venv step's activation history, and the python that runs its tool
-#   SS_ML_ENV_TOOL       files/scripts/ml_env.py, which records a rollback in that history
+#   SS_PYTHON            the python that runs the venv step's tool
+#   SS_ML_ENV_TOOL       files/scripts/ml_env.py, which records a rollback in the venv step's
+#                        activation history (where there is one)
 #   SS_ROLLBACK_RECORD   its `record` parameters for going back to SS_PREVIOUS_RELEASE (base64 JSON)
 #   SS_PROGRESS_EVERY    seconds between "waiting ... (N s of M s)" lines (default 5)
 # Output: progress lines on stdout; what failed (with the unit's last journal lines) on stderr.
@@ -116,12 +117,12 @@ reactivate_previous_venv() {
 }
 
 # Tell the venv step's activation history about the switch, so that rollback.py and release
-# pruning see which release is active; only where that history exists. The venv step's own tool
-# (files/scripts/ml_env.py `record`) writes it.
+# pruning see which release is active. The venv step's own tool (files/scripts/ml_env.py
+# `record`) writes it, only where that history exists.
 record_reactivation() {
-  [ -n "$SS_PREVIOUS_RELEASE" ] && [ -f "$SS_HISTORY" ] || return 0
+  [ -n "$SS_PREVIOUS_RELEASE" ] || return 0
   "$SS_PYTHON" -I -S -c "$SS_ML_ENV_TOOL" record "$SS_ROLLBACK_RECORD" >/dev/null ||
-    message "could not record the switch in $SS_HISTORY"
+    message "could not record the switch back to $SS_PREVIOUS_RELEASE in the venv step's activation history"
 }
 
 restore_good_unit() { copy_atomically "$SS_GOOD_UNIT" "$SS_UNIT_PATH" 644; }

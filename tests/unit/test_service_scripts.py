@@ -172,8 +172,7 @@ class Gate:
         env = service.gate_environment(s, service.release(s, "r-b"), "f" * 64, record)
         return {**env, "SS_UNIT_PATH": str(self.unit), "SS_STATE_DIR": str(self.state),
                 "SS_GOOD_UNIT": str(self.state / "sglang.service.good"),
-                "SS_RECORD": str(self.state / "sglang.service.json"), "SS_HISTORY": str(self.history),
-                "SS_PYTHON": sys.executable}
+                "SS_RECORD": str(self.state / "sglang.service.json"), "SS_PYTHON": sys.executable}
 
     def run(self, previous: str | None = None) -> subprocess.CompletedProcess:
         command = script_command(service.GATE_SCRIPT, env=self.env(previous))
@@ -226,6 +225,15 @@ def test_a_failed_release_is_rolled_back_to_the_last_good_release_and_unit(gate)
     assert gate.record() is None  # the failed unit is never recorded as healthy
 
 
+def test_a_rollback_where_the_venv_step_keeps_no_history_writes_none(gate):
+    gate.history.unlink()
+    proc = gate.run_after_a_healthy_one("ExecStart=release r-a\n", "ExecStart=release r-b BROKEN\n")
+    assert proc.returncode == 1
+    assert "rolled back to release r-a" in proc.stderr and "could not record" not in proc.stderr
+    assert os.readlink(gate.venv) == str(gate.root / "releases" / "r-a" / "venv")
+    assert not gate.history.exists()
+
+
 def test_the_gate_records_its_rollback_with_the_venv_steps_tool():
     """One writer of the activation history (files/scripts/ml_env.py): the gate runs no Python
     of its own."""
@@ -236,7 +244,7 @@ def test_the_gate_records_its_rollback_with_the_venv_steps_tool():
     assert env["SS_ML_ENV_TOOL"] == TOOL.read_text()
     assert json.loads(base64.b64decode(env["SS_ROLLBACK_RECORD"])) == {
         "state_dir": "/var/lib/servestack", "release": "r-ba9876543210", "previous": "r-0123456789ab",
-        "by": "service-rollback"}
+        "by": "service-rollback", "only_where_kept": True}
 
 
 def test_the_gate_reads_the_units_state_in_one_systemctl_call_per_poll(gate):

@@ -539,6 +539,20 @@ def test_record_adds_a_switch_made_elsewhere_to_the_history(host):
     assert re.fullmatch(r"\d{8}T\d{6}Z", history[1]["at"])
 
 
+def test_record_only_where_kept_leaves_a_host_without_a_history_without_one(host):
+    """The gate's rollback on a host whose venv servestack never activated: nothing to tell."""
+    params = {"state_dir": host["state_dir"], "release": "r-0123456789ab", "previous": "r-ba9876543210",
+              "by": "service-rollback", "only_where_kept": True}
+    rc, output, stderr = run_tool("record", params)
+    assert (rc, output) == (0, {"recorded": None}), stderr
+    assert not Path(host["state_dir"], ml_env.HISTORY).exists()
+    os.makedirs(host["state_dir"])
+    Path(host["state_dir"], ml_env.HISTORY).write_text(json.dumps({"activations": []}))
+    rc, output, stderr = run_tool("record", params)
+    assert (rc, output) == (0, {"recorded": "r-0123456789ab"}), stderr
+    assert len(json.loads(Path(host["state_dir"], ml_env.HISTORY).read_text())["activations"]) == 1
+
+
 def test_activate_refuses_a_directory_that_is_not_a_venv(host):
     os.makedirs(os.path.join(host["venv_path"], "data"))
     Path(host["releases_dir"], "r-000000000003", "venv").mkdir(parents=True)
