@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import ipaddress
 import json
 import os
 import re
@@ -71,19 +70,6 @@ FIRST_LOGIN_UID = 1000
 GENERATE_REQUEST = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 GENERATE_TIMEOUT_S = 300
 RUNNING_STATES = ("active", "activating", "reloading")
-
-# Environment pinned by servestack: host data may not override these (service_env / secrets).
-PINNED_ENV = ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "FLASHINFER_WORKSPACE_BASE",
-              "TRITON_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "HOME",
-              "SERVESTACK_RELEASE", "SERVESTACK_PATCHSET")
-
-# Flags servestack builds from host data; service_extra_args may not repeat them (sglang aliases too).
-MANAGED_FLAGS = ("--model-path", "--model", "--tp", "--tp-size", "--tensor-parallel-size",
-                 "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft-model",
-                 "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
-                 "--attention-backend", "--quantization", "--kv-cache-dtype", "--enable-torch-symm-mem",
-                 "--enable-flashinfer-allreduce-fusion", "--host", "--port")
-
 
 @dataclass(frozen=True)
 class NoEffect:
@@ -158,44 +144,6 @@ def check_url(settings: Settings) -> str:
 
 
 # -- validation and warnings -----------------------------------------------------------------------
-
-def service_problems(settings: Settings) -> list[str]:
-    """What in the host's service data cannot make a working unit (settings.py checks types/ranges)."""
-    problems = []
-    if settings.service_user == "root":
-        problems.append("'service_user': expected a dedicated unprivileged user, got 'root'")
-    for key in ("service_model_path", "service_model_architecture", "service_draft_model_path",
-                "service_attention_backend", "service_quantization", "service_kv_cache_dtype", "service_host"):
-        value = getattr(settings, key)
-        if value is not None and re.search(r"[\s\x00-\x1f]", value):
-            problems.append(f"'{key}': expected no whitespace or control characters, got {value!r}")
-    if not _is_address(settings.service_host) and not re.fullmatch(r"[A-Za-z0-9.-]+", settings.service_host):
-        problems.append(f"'service_host': expected an IP address or host name, got {settings.service_host!r}")
-    for argument in settings.service_extra_args:
-        flag = argument.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            problems.append(f"'service_extra_args': {flag} is set from its own host-data key "
-                            f"(see README 'Host data'), not through extra args")
-        if "\n" in argument or "\x00" in argument:
-            problems.append(f"'service_extra_args': expected no newlines, got {argument!r}")
-    for key in ("service_env", "service_secret_env"):
-        for name in getattr(settings, key):
-            if name in PINNED_ENV:
-                problems.append(f"'{key}': {name} is pinned by servestack (CUDA {settings.cuda_version} "
-                                f"toolkit, per-release caches) and cannot be overridden")
-    for name, value in settings.service_env.items():
-        if "\n" in value or "\x00" in value:
-            problems.append(f"'service_env': {name} must be a single line")
-    return problems
-
-
-def _is_address(value: str) -> bool:
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        return False
-    return True
-
 
 def ineffective_settings(settings: Settings) -> list[str]:
     """Warnings for enabled settings known to do nothing on this host's GPUs with the installed version."""
@@ -275,14 +223,19 @@ def service_environment(settings: Settings, rel: Release, patchset: str | None) 
     return pinned + sorted(settings.service_env.items())
 
 
-def systemd_escape(value: str) -> str:
-    """Escape specifiers (%) and variable expansion ($) for a systemd unit value."""
-    return value.replace("%", "%%").replace("$", "$$")
-
-
 def systemd_quote(value: str) -> str:
-    """One word of a systemd command line or Environment= assignment, quoted when needed."""
-    escaped = systemd_escape(value)
+    """One word of a systemd command line (ExecStart=), quoted when needed: specifiers (%) and
+    variables ($), which systemd expands there, are escaped."""
+    return _systemd_word(value, value.replace("%", "%%").replace("$", "$$"))
+
+
+def systemd_environment_quote(assignment: str) -> str:
+    """One `NAME=value` of an Environment= line, quoted when needed. systemd expands specifiers
+    (%) there but not variables: a `$` is the value's own (doubled, the service would see `$$`)."""
+    return _systemd_word(assignment, assignment.replace("%", "%%"))
+
+
+def _systemd_word(value: str, escaped: str) -> str:
     if value and re.fullmatch(r"[A-Za-z0-9_./:=,+@%$-]+", value):
         return escaped
     return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -322,7 +275,7 @@ def render_unit(settings: Settings, rel: Release, patchset: str | None,
         user=settings.service_user,
         supplementary_groups=list(supplementary_groups),
         home=home_dir(settings),
-        environment=[systemd_quote(f"{name}={value}")
+        environment=[systemd_environment_quote(f"{name}={value}")
                      for name, value in service_environment(settings, rel, patchset)],
         secrets_file=secrets_path(settings) if with_secrets else None,
         exec_start=exec_start(settings, rel, speculation),
@@ -766,9 +719,6 @@ def sglang_service(release: Release):
       ``venv.plan()``; rollback.py: ``venv.rollback_target()``)
     """
     settings = host_settings(host)
-    problems = service_problems(settings)
-    if problems:
-        raise ConfigError("\n".join(f"host {host.name}: {problem}" for problem in problems))
     secrets = secrets_content(host.name, settings.service_secret_env)
     for warning in ineffective_settings(settings):
         logger.warning(f"{host.print_prefix}{warning}")

@@ -30,6 +30,7 @@ pyinfra's own keys (its global arguments `_sudo`, `name`, ... and its connectors
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -109,10 +110,40 @@ def text(value):
     return value
 
 
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def abs_path(value):
-    if not isinstance(value, str) or not value.startswith("/") or "\n" in value:
+    if not isinstance(value, str) or not value.startswith("/") or CONTROL_CHARACTERS.search(value):
         raise Invalid("an absolute path")
     return value.rstrip("/") or "/"
+
+
+def word(value):
+    """One word of the service's command line: no whitespace or control characters."""
+    if not isinstance(value, str) or not value or re.search(r"\s", value) or CONTROL_CHARACTERS.search(value):
+        raise Invalid("a non-empty string without whitespace or control characters")
+    return value
+
+
+def module_name(value):
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value, re.ASCII):
+        raise Invalid("a python module name like sglang.launch_server")
+    return value
+
+
+def host_address(value):
+    if isinstance(value, str) and (_is_ip_address(value) or re.fullmatch(r"[A-Za-z0-9.-]+", value)):
+        return value
+    raise Invalid("an IP address or host name")
+
+
+def _is_ip_address(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
 
 
 def url(value):
@@ -176,11 +207,19 @@ def user_name(value):
 
 def env_map(value):
     if not isinstance(value, dict) or not all(
-        isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) and isinstance(v, (str, int))
+        isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) and _env_value(v)
         for k, v in value.items()
     ):
-        raise Invalid("a dict of environment variable names to string values")
+        raise Invalid("a dict of environment variable names to single-line string values")
     return {k: str(v) for k, v in value.items()}
+
+
+def _env_value(value) -> bool:
+    """A string without control characters, or an integer (not a bool: True would reach the service
+    as the text 'True')."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, str) and not CONTROL_CHARACTERS.search(value))
 
 
 def string_list(value):
@@ -193,6 +232,13 @@ def release_name(value):
     if not isinstance(value, str) or not re.fullmatch(r"r-[0-9a-f]{12}|adopted-\d{8}T\d{6}Z", value):
         raise Invalid("a release id like 'r-0123456789ab' or 'adopted-20260101T120000Z'")
     return value
+
+
+def arguments(value):
+    items = string_list(value)
+    if not all(item and not CONTROL_CHARACTERS.search(item) for item in items):
+        raise Invalid("a list of non-empty arguments without control characters")
+    return items
 
 
 def env_names(value):
@@ -229,33 +275,33 @@ def _wheel_key(package: str) -> str:
 _SERVICE_KEYS = {  # name: (checker, meaning); defaults are the manifest's [service] table
     "name": (unit_name, "systemd unit name"),
     "user": (user_name, "unprivileged system user the server runs as (created by the deploy)"),
-    "launch_module": (text, "python module the unit runs with -m"),
+    "launch_module": (module_name, "python module the unit runs with -m"),
     "profile": (text, "the service profile the host serves: a name of the manifest's service.profiles (the "
                 "profile's fields are the defaults of the service_* keys marked so)"),
     "tp": (integer(1, 64), "--tp: tensor-parallel size; must divide gpu_count"),
-    "host": (text, "--host the server listens on"),
+    "host": (host_address, "--host the server listens on"),
     "port": (integer(1, 65535), "--port"),
     "start_timeout_s": (integer(1), "systemd TimeoutStartSec"),
     "health_timeout_s": (integer(1), "seconds a restarted server has to answer /health before it is rolled back"),
 }
 _PROFILE_KEYS = {  # field: (checker, meaning, required); defaults are the host's profile's
-    "model_path": (text, "--model-path: a local path or a hub id", True),
-    "model_architecture": (text, "the model's architecture (its config.json 'architectures'): decides whether "
+    "model_path": (word, "--model-path: a local path or a hub id", True),
+    "model_architecture": (word, "the model's architecture (its config.json 'architectures'): decides whether "
                            "EAGLE/NEXTN draft from the model itself", True),
-    "draft_model_path": (optional(text), "--speculative-draft-model-path (none: not passed)", False),
+    "draft_model_path": (optional(word), "--speculative-draft-model-path (none: not passed)", False),
     "speculative_algorithm": (choice(*SPECULATIVE_ALGORITHMS), "--speculative-algorithm ('NONE': no speculation)",
                               True),
     "speculative_num_steps": (integer(1, 16), "--speculative-num-steps", True),
     "speculative_eagle_topk": (integer(1, 16), "--speculative-eagle-topk", True),
     "speculative_num_draft_tokens": (integer(1, 64), "--speculative-num-draft-tokens (steps + 1 when topk is 1)",
                                      True),
-    "attention_backend": (text, "--attention-backend", True),
-    "quantization": (optional(text), "--quantization (none: not passed, sglang reads the checkpoint's)", False),
-    "kv_cache_dtype": (optional(text), "--kv-cache-dtype (none: not passed)", False),
+    "attention_backend": (word, "--attention-backend", True),
+    "quantization": (optional(word), "--quantization (none: not passed, sglang reads the checkpoint's)", False),
+    "kv_cache_dtype": (optional(word), "--kv-cache-dtype (none: not passed)", False),
     "enable_torch_symm_mem": (boolean, "--enable-torch-symm-mem (SM120 needs patch 0001)", True),
     "enable_flashinfer_allreduce_fusion": (boolean, "--enable-flashinfer-allreduce-fusion (no effect on SM120: "
                                            "warned)", True),
-    "extra_args": (string_list, "extra sglang.launch_server arguments; a host's are added after the profile's",
+    "extra_args": (arguments, "extra sglang.launch_server arguments; a host's are added after the profile's",
                    True),
     "env": (env_map, "extra environment for the service (e.g. NCCL_P2P_DISABLE); a host's is added to the "
             "profile's, its value winning", True),
@@ -614,6 +660,36 @@ def _consistency(values: dict, manifest: Manifest, bad: set[str]) -> list[str]:
                                                                        *(f"service_{f}" for f in needed)))]
     if usable("cuda_runfile_url", "cuda_mirror") and values["cuda_runfile_url"] and values["cuda_mirror"]:
         errors.append("'cuda_runfile_url': set either cuda_runfile_url or cuda_mirror, not both")
+    return errors + _service_rules(values, usable)
+
+
+# Environment pinned by servestack: host data may not override these (service_env / secrets).
+PINNED_ENV = ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "FLASHINFER_WORKSPACE_BASE",
+              "TRITON_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "HOME",
+              "SERVESTACK_RELEASE", "SERVESTACK_PATCHSET")
+
+# Flags servestack builds from host data; service_extra_args may not repeat them (sglang aliases too).
+MANAGED_FLAGS = ("--model-path", "--model", "--tp", "--tp-size", "--tensor-parallel-size",
+                 "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft-model",
+                 "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+                 "--attention-backend", "--quantization", "--kv-cache-dtype", "--enable-torch-symm-mem",
+                 "--enable-flashinfer-allreduce-fusion", "--host", "--port")
+
+
+def _service_rules(values: dict, usable: Callable[..., bool]) -> list[str]:
+    """What in the service's data cannot make a working unit (operations/service.py renders it)."""
+    errors = []
+    if usable("service_user") and values["service_user"] == "root":
+        errors.append("'service_user': expected a dedicated unprivileged user, got 'root'")
+    if usable("service_extra_args"):
+        errors += [f"'service_extra_args': {flag} is set from its own host-data key (see README 'Host data'), "
+                   "not through extra args"
+                   for flag in dict.fromkeys(argument.split("=", 1)[0] for argument in values["service_extra_args"])
+                   if flag in MANAGED_FLAGS]
+    for key in ("service_env", "service_secret_env"):
+        if usable(key, "cuda_version"):
+            errors += [f"'{key}': {name} is pinned by servestack (CUDA {values['cuda_version']} toolkit, "
+                       "per-release caches) and cannot be overridden" for name in values[key] if name in PINNED_ENV]
     return errors
 
 

@@ -28,10 +28,10 @@ from facts.framing import Section, split
 from facts.gpu import GpuReport, NvidiaGpus
 from facts.toolkit import CudaToolkits, Fingerprint, LinkChain, ToolkitFingerprint, ToolkitState, Tree
 from facts.verify import CudaSample, HostReport, PatchCheck, ServiceHttp, VerifyHost, VerifyPython
-from operations.service import GENERATE_REQUEST, PINNED_ENV, check_url, secrets_path
+from operations.service import GENERATE_REQUEST, check_url, secrets_path
 from operations.toolkit import kept_paths, toolkit_fact_arguments
 from servestack.checks.parse import patch_record_for
-from servestack.settings import Settings
+from servestack.settings import PINNED_ENV, Settings
 
 GROUPS = ("gpu", "toolkit", "kept", "host", "python", "patches", "sample", "http")
 NEEDS = {"patches": ("host",)}   # groups whose requests depend on what another group read

@@ -168,8 +168,9 @@ def test_unit_verifies_service_answers_and_a_second_converge_changes_nothing(ser
     svc = service_lab(1)
     host = svc.sb.hosts[0]
     svc.install("r-000000000001")
+    data = {"service_env": {"SERVESTACK_TEST_VALUE": 'a$b 100% "q"'}}   # reaches the service as written
 
-    first = svc.converge({}, "-y")
+    first = svc.converge(data, "-y")
     assert first.rc == 0, first.log
     assert svc.sh(host, f"systemd-analyze verify {UNIT} 2>&1; echo rc=$?").strip() == "rc=0"
     assert svc.generate(host)
@@ -183,6 +184,7 @@ def test_unit_verifies_service_answers_and_a_second_converge_changes_nothing(ser
     assert environ["CUDA_HOME"] == "/usr/local/cuda-13.0"
     assert environ["PATH"].startswith("/usr/local/cuda-13.0/bin:")
     assert environ["LD_LIBRARY_PATH"] == "/usr/local/cuda-13.0/lib64"
+    assert environ["SERVESTACK_TEST_VALUE"] == 'a$b 100% "q"'
     cache = "/var/cache/servestack/flashinfer/13.0.1-r-000000000001"
     assert environ["FLASHINFER_WORKSPACE_BASE"] == cache
     assert svc.sh(host, f"stat -c '%U %a' {cache}").strip() == "sglang 750"
@@ -192,7 +194,7 @@ def test_unit_verifies_service_answers_and_a_second_converge_changes_nothing(ser
     assert svc.server_args(host)["speculative_algorithm"] == "EAGLE3"
     assert svc.sh(host, f"cat {RELEASES}/r-000000000001/sglang.service") == unit
 
-    second = svc.converge({}, "-y")
+    second = svc.converge(data, "-y")
     assert second.rc == 0, second.log
     assert second.changed == 0, second.log
     assert svc.main_pid(host) == pid

@@ -155,6 +155,23 @@ def test_every_hosts_problems_are_in_one_refusal_before_connecting(monkeypatch):
     ]
 
 
+def test_service_data_no_unit_can_use_is_refused_before_connecting():
+    """Before, these were refused by the service step, after connecting and reading the host."""
+    hosts = [FakeHost("h1", {"service_user": "root", "service_env": {"PATH": "/tmp/evil"},
+                             "service_extra_args": ["--port=9000"], "service_secret_env": ["HOME"]})]
+    with pytest.raises(ConfigError) as error:
+        validate_targets(FakeState(hosts), environ={"HOME": "/root"})
+    assert str(error.value).splitlines()[1:] == [
+        "host h1: 'service_user': expected a dedicated unprivileged user, got 'root'",
+        "host h1: 'service_extra_args': --port is set from its own host-data key (see README 'Host data'), not "
+        "through extra args",
+        "host h1: 'service_env': PATH is pinned by servestack (CUDA 13.0.1 toolkit, per-release caches) and cannot "
+        "be overridden",
+        "host h1: 'service_secret_env': HOME is pinned by servestack (CUDA 13.0.1 toolkit, per-release caches) and "
+        "cannot be overridden",
+    ]
+
+
 def test_the_limit_decides_which_hosts_are_checked():
     hosts = [FakeHost("h1", {"service_port": 0}), FakeHost("h2", {})]
     validate_targets(FakeState(hosts, limit={"h2"}), environ={})
@@ -201,7 +218,7 @@ def test_a_manifest_missing_uv_version_is_named_by_file_and_key_for_every_run(tm
 
 @pytest.mark.parametrize("section, key, expected", [
     ("service", "tp", "expected an integer from 1 to 64 (missing)"),
-    ('service.profiles."kimi-k2.5-eagle3"', "model_path", "expected a non-empty string (missing)"),
+    ('service.profiles."kimi-k2.5-eagle3"', "model_path", "expected a non-empty string without whitespace or control characters (missing)"),
     ("venv", "keep_releases", "expected an integer >= 1 (missing)"),
 ])
 def test_a_manifest_missing_a_default_is_named_not_a_key_error(tmp_path, section, key, expected):

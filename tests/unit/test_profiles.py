@@ -25,7 +25,7 @@ from servestack import settings as settings_module
 from servestack.errors import ConfigError, ManifestError
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.sandbox.standins import fake_sglang_server
-from servestack.settings import host_keys, settings_from_data
+from servestack.settings import MANAGED_FLAGS, host_keys, settings_from_data
 
 MANIFEST = load_manifest()
 PROFILES = sorted(MANIFEST.service["profiles"])
@@ -292,14 +292,12 @@ def test_a_host_value_beats_its_profiles_and_the_profile_speculation_can_be_turn
     assert s.service_env == {"SGLANG_ENABLE_SPEC_V2": "0"}
     argv = service.launch_arguments(s)
     assert "--speculative-algorithm" not in argv and argv[argv.index("--attention-backend") + 1] == "triton"
-    assert service.service_problems(s) == []
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_no_profile_has_service_problems_or_repeats_a_managed_flag(profile):
-    s = profile_settings(profile)
-    assert service.service_problems(s) == []
-    assert not {arg.split("=", 1)[0] for arg in s.service_extra_args} & set(service.MANAGED_FLAGS)
+def test_no_profile_repeats_a_managed_flag(profile):
+    s = profile_settings(profile)   # settings_from_data refuses a managed flag in extra args, so this is a check of it
+    assert not {arg.split("=", 1)[0] for arg in s.service_extra_args} & set(MANAGED_FLAGS)
 
 
 def test_allreduce_fusion_is_off_in_every_profile_and_warned_where_a_host_turns_it_on_on_sm120():
@@ -440,7 +438,7 @@ GLM = 'service.profiles."glm-5-mtp"'
     (lambda t: t.replace('profile = "kimi-k2.5-eagle3"', 'profile = "kimi"'),
      "key 'service.profile': unknown service profile 'kimi' (did you mean 'kimi-k2.5-eagle3'?)"),
     (lambda t: t.replace('model_path = "festr2/GLM-5-NVFP4-MTP"\n', ""),
-     f"key '{GLM}.model_path': expected a non-empty string (missing)"),
+     f"key '{GLM}.model_path': expected a non-empty string without whitespace or control characters (missing)"),
     (lambda t: t.replace('kv_cache_dtype = "bf16"', 'kv_cache_type = "bf16"'),
      f"key '{GLM}.kv_cache_type': expected one of the known keys ['attention_backend', "),
     (lambda t: t.replace('speculative_algorithm = "NEXTN"', 'speculative_algorithm = "MTP"'),

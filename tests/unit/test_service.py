@@ -94,17 +94,27 @@ def test_settings_refuse_bad_flag_values_naming_host_and_key(data, expected):
     ({"service_env": {"PATH": "/usr/bin"}}, "'service_env': PATH is pinned by servestack"),
     ({"service_secret_env": ["LD_LIBRARY_PATH"]}, "'service_secret_env': LD_LIBRARY_PATH is pinned"),
     ({"service_user": "root"}, "'service_user': expected a dedicated unprivileged user, got 'root'"),
-    ({"service_model_path": "/models/kimi k2"}, "'service_model_path': expected no whitespace"),
-    ({"service_host": "bad host!"}, "'service_host': expected"),
-    ({"service_env": {"NCCL_DEBUG": "INFO\nX=1"}}, "'service_env': NCCL_DEBUG must be a single line"),
+    ({"service_model_path": "/models/kimi k2"}, "'service_model_path': expected a non-empty string without whitespace"),
+    ({"service_host": "bad host!"}, "'service_host': expected an IP address or host name"),
+    ({"service_host": "0.0.0.0;id"}, "'service_host': expected an IP address or host name"),
+    ({"service_env": {"NCCL_DEBUG": "INFO\nX=1"}}, "'service_env': expected a dict of environment variable names to "
+                                                    "single-line string values"),
+    ({"service_env": {"NCCL_P2P_DISABLE": True}}, "'service_env': expected a dict of environment variable names"),
+    ({"service_extra_args": ["--served-model-name", ""]}, "'service_extra_args': expected a list of non-empty arguments"),
+    ({"service_extra_args": ["--y\r"]}, "'service_extra_args': expected a list of non-empty arguments without control"),
+    ({"service_launch_module": "sglang.launch_server --evil"}, "'service_launch_module': expected a python module name"),
+    ({"cuda_install_path": "/usr/local/cuda-13.0\r"}, "'cuda_install_path': expected an absolute path"),
 ])
-def test_service_problems_name_the_key(data, expected):
-    problems = service.service_problems(settings(**data))
-    assert any(expected in problem for problem in problems), problems
+def test_the_service_data_a_unit_cannot_use_is_refused_with_the_other_settings(data, expected):
+    """Refused where every other setting is, before any connection (servestack/preconnect.py)."""
+    with pytest.raises(ConfigError, match="host gpu-01: ") as error:
+        settings(**data)
+    assert expected in str(error.value)
 
 
-def test_default_settings_have_no_service_problems():
-    assert service.service_problems(settings(service_env={"NCCL_P2P_DISABLE": "1"}, service_host="10.0.0.5")) == []
+def test_default_settings_and_common_service_data_are_accepted():
+    s = settings(service_env={"NCCL_P2P_DISABLE": "1", "NCCL_DEBUG": 2}, service_host="10.0.0.5")
+    assert s.service_env["NCCL_DEBUG"] == "2" and s.service_launch_module == "sglang.launch_server"
 
 
 # -- warnings ---------------------------------------------------------------------------------------
@@ -174,6 +184,22 @@ def test_secrets_file_is_named_in_the_unit_only_when_configured():
 ])
 def test_systemd_quoting(value, quoted):
     assert service.systemd_quote(value) == quoted
+
+
+@pytest.mark.parametrize("assignment, quoted", [
+    ("A=plain-value_1.0", "A=plain-value_1.0"),
+    ("A=$HOME", "A=$HOME"),          # systemd does not expand variables in Environment=
+    ("A=100%", "A=100%%"),
+    ('A=say "hi" $x', '"A=say \\"hi\\" $x"'),
+])
+def test_environment_quoting_keeps_a_dollar_as_it_is(assignment, quoted):
+    assert service.systemd_environment_quote(assignment) == quoted
+
+
+def test_a_dollar_in_service_env_reaches_the_service_as_written():
+    text = render({"service_env": {"HF_ENDPOINT": "https://mirror/$x", "OTHER": "a b$"}})
+    assert unit_values(text, "Environment").count("HF_ENDPOINT=https://mirror/$x") == 1
+    assert '"OTHER=a b$"' in text and "$$" not in text.split("ExecStart")[0]
 
 
 def test_unit_arguments_with_spaces_and_specifiers_survive_systemd():
