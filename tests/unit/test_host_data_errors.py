@@ -11,6 +11,7 @@ from servestack import cli
 from servestack.errors import ConfigError, ManifestError
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.preconnect import validate_targets
+from servestack.targets import is_this_machine
 from servestack.settings import (edit_distance, foreign_key_problem, host_keys, settings_from_data,
                                  validate_inventory)
 
@@ -170,6 +171,26 @@ def test_service_data_no_unit_can_use_is_refused_before_connecting():
         "host h1: 'service_secret_env': HOME is pinned by servestack (CUDA 13.0.1 toolkit, per-release caches) and "
         "cannot be overridden",
     ]
+
+
+@pytest.mark.parametrize("address", ["127.1", "LOCALHOST", "localhost.", "::ffff:127.0.0.1", "2130706433",
+                                     "0x7f.0.0.1", "127.0.0.2", "::1", "0.0.0.0", "api.localhost"])
+def test_every_spelling_of_a_loopback_address_is_this_machine(address):
+    hosts = [FakeHost("h1", {"ssh_hostname": address})]
+    with pytest.raises(ConfigError) as error:
+        validate_targets(FakeState(hosts), environ={})
+    assert f"host h1: '{address}' is this machine" in str(error.value)
+
+
+def test_a_name_the_hosts_file_maps_to_loopback_is_this_machine_and_others_are_not(tmp_path):
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("127.0.0.1 localhost\n127.0.1.1 gpu-box.lan gpu-box  # this machine\n"
+                          "# 127.0.0.1 commented-out\n10.0.0.5 gpu-01\n")
+    assert is_this_machine("GPU-BOX", str(hosts_file)) and is_this_machine("gpu-box.lan", str(hosts_file))
+    assert not is_this_machine("gpu-01", str(hosts_file))
+    assert not is_this_machine("commented-out", str(hosts_file))
+    assert not is_this_machine("198.18.0.2", str(hosts_file))
+    assert not is_this_machine("gpu-02.example.com", str(hosts_file))
 
 
 def test_the_limit_decides_which_hosts_are_checked():
