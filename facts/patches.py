@@ -155,6 +155,7 @@ class PatchStates(FactBase):
                 "files": [{"path", "state", "sha256_before", "sha256"}],
             }],
             "record_path": "...", "record": "current",   # current | stale | missing
+            "record_sha256": "...",           # of the record as the set has it once applied (python checked)
             "sums": "...",                    # a set in place, checked by python: its sums to keep
             "verified": "sums",               # instead of "sums": answered from the record, its sums held
         }

@@ -10,16 +10,21 @@ from __future__ import annotations
 from pyinfra import host, logger
 from pyinfra.api import deploy, operation
 from pyinfra.api.output import format_text
+from pyinfra.facts.files import Sha256File
 
 from facts.batch import FactRequest
 from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, remote_command, sums_write_command
+from facts.service import PATCH_RECORDS, PatchsetDigest, combine_digests
 from operations.releases import Release
 from servestack import patchlib, reads
 from servestack.hostrun import noop, refuse, write_record
 from servestack.settings import host_settings
 
 PACKAGE = "sglang"
-RECORD_FILE = "patches.json"
+RECORD_FILE = PATCH_RECORDS[0]
+# SERVESTACK_PATCHSET in a dry run's unit for a release not built yet: the digest is of a record
+# written from the built release's files.
+PATCHSET_PENDING = "the digest of the record the patches step writes once the release is built"
 
 
 def record_path(release: Release) -> str:
@@ -36,6 +41,27 @@ def host_reads(settings, release: Release | None = None) -> list[FactRequest]:
     if release is None:
         return []
     return [FactRequest.of(PatchStates, **patch_fact_arguments(release.python, record_path(release)))]
+
+
+def patchset_digest(release: Release) -> str | None:
+    """The release's patch set as its service knows it (SERVESTACK_PATCHSET): the digest of its
+    patch-set records (facts/service.py PatchsetDigest) as this step leaves them; None: no record.
+
+    At execute this step has run before any reader: the records' own digest. At prepare (what
+    --dry predicts), where this step will (re)write the record, the digest of what it writes (its
+    check computes that record); for a release not built yet, PATCHSET_PENDING (None when the
+    manifest's sglang has no patch set)."""
+    current = reads.fact(host, PatchsetDigest, release_dir=release.dir)
+    if host.state.is_executing:
+        return current
+    status = reads.fact(host, PatchStates, **patch_fact_arguments(release.python, record_path(release)))
+    if not status["installed"]:
+        version = host_settings(host).manifest.package(PACKAGE).version
+        return PATCHSET_PENDING if load_patch_sets(PACKAGE).get(version) else current
+    if status["patch_set"] is None or status["record"] == "current" or not status.get("record_sha256"):
+        return current
+    other = reads.fact(host, Sha256File, path=f"{release.dir}/{PATCH_RECORDS[1]}")   # a rare second record
+    return combine_digests([status["record_sha256"], *([other] if other else [])])
 
 
 @operation()

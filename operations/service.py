@@ -8,7 +8,9 @@ with, "off" without, "auto" as the benchmark recorded for what the service runs 
 
 `sglang_service(release)` is given the release this run leaves active (deploy.py: the one the
 venv step plans; rollback.py: the one it re-activates). In `--dry` on a fresh host that release
-does not exist yet, but its id and paths are known, so the unit's diff is the one the run writes.
+does not exist yet, but its id and paths are known, so the unit's diff is the one the run writes,
+but for the patch set's digest: that of the record the patches step writes from the built release
+(operations/patches.py `patchset_digest`; a release already built has it in the dry run too).
 
 The unit names the release's python by its release path, so a release switch, a patch-set
 change (its digest is in the unit), a flag or an environment change is a unit change; the
@@ -48,6 +50,8 @@ from pyinfra.operations.util.files import generate_color_diff
 from facts.batch import FactRequest
 from facts.service import PatchsetDigest, PathOwner, ServiceRecord, UnitState, UnreadableBy, UserAccount
 from facts.venv import MlEnvState, release_of
+from operations import patches
+from operations.patches import patchset_digest
 from operations.releases import TOOL, Release, encode, release_at
 from operations.venv import mlenv_fact_arguments
 from servestack import bench, reads
@@ -400,7 +404,7 @@ def unit_copy_path(settings: Settings, rel: Release) -> str:
 def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[str, ...],
                  speculation: bool | None = None) -> str:
     """The unit for `rel`, with or without the speculative flags (None: as the policy says)."""
-    patchset = reads.fact(host, PatchsetDigest, release_dir=rel.dir)
+    patchset = patchset_digest(rel)
     if speculation is None:
         speculation = speculation_enabled(settings, rel)
     return render_unit(settings, rel, patchset, supplementary_groups, bool(settings.service_secret_env), speculation)
@@ -409,7 +413,7 @@ def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[s
 def service_identity(settings: Settings, rel: Release) -> dict:
     """What the service runs, as far as its speed goes: what a speculation decision was measured for
     (servestack/bench.py `identity_fingerprint`)."""
-    patchset = reads.fact(host, PatchsetDigest, release_dir=rel.dir)
+    patchset = patchset_digest(rel)
     return {"release": rel.id, "patchset": patchset or "none", "profile": settings.service_profile,
             "launch_module": settings.service_launch_module, "arguments": launch_arguments(settings, True),
             "environment": [list(pair) for pair in service_environment(settings, rel, patchset)]}
@@ -466,6 +470,7 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
         requests += [
             FactRequest.of(PathOwner, path=cache_dir(settings, release.id)),
             FactRequest.of(PatchsetDigest, release_dir=release.dir),
+            *patches.host_reads(settings, release),   # patchset_digest: what the patches step leaves
             FactRequest.of(Sha256File, path=unit_copy_path(settings, release)),
         ]
     return requests

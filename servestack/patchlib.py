@@ -638,6 +638,7 @@ def remote_main(payload: dict) -> int:
             patches=[r.as_dict() for r in results],
             record_path=str(record_path),
             record=record_status(record_path, expected),
+            record_sha256=hashlib.sha256(record_bytes(expected)).hexdigest(),
         )
         if payload["mode"] == "check" and sums and in_place(results, out["record"]):
             out["sums"] = sums_text(digest, metadata, record_path, record_path.read_bytes(), results)

@@ -31,6 +31,7 @@ set -u
 
 reason=""
 invocation=""
+restarts_at_start=""   # the unit's NRestarts once our restart returned (earlier auto-restarts count there)
 
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
 
@@ -49,6 +50,14 @@ read_unit_state() {
   done < <(systemctl show --property=ActiveState,SubState,NRestarts,Result,ExecMainStatus -- "$SS_UNIT" 2>/dev/null)
 }
 
+# Whether the server exited since our restart: systemd gave up on it, is about to restart it, or
+# restarted it (NRestarts is not reset by `systemctl restart`: a unit that crash-looped before
+# still carries its count, so only a rise counts).
+exited_since_restart() {
+  [ "$active" = failed ] || [ "$sub" = auto-restart ] ||
+    { [ -n "$restarts" ] && [ -n "$restarts_at_start" ] && [ "$restarts" -gt "$restarts_at_start" ]; }
+}
+
 # Wait up to $1 s for GET /health to answer 200; stop early when systemd gave up on the unit.
 wait_ready() {
   local started=$SECONDS deadline=$((SECONDS + $1)) next_note=$((SECONDS + ${SS_PROGRESS_EVERY:-5}))
@@ -58,7 +67,7 @@ wait_ready() {
     fi
     read_unit_state
     # A server that exits while starting is broken: do not wait out the timeout for Restart= to loop.
-    if [ "$active" = failed ] || [ "${restarts:-0}" != 0 ] || [ "$sub" = auto-restart ]; then
+    if exited_since_restart; then
       reason="the server exited before /health answered ($result, exit status $exit_status)"
       return 1
     fi
@@ -94,6 +103,8 @@ restart_and_check() {
     return 1
   fi
   invocation=$(systemctl show --property=InvocationID --value -- "$SS_UNIT" 2>/dev/null)
+  read_unit_state
+  restarts_at_start=$restarts
   wait_ready "$SS_HEALTH_TIMEOUT" && answers
 }
 

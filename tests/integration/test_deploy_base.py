@@ -2,6 +2,7 @@
 
 import pytest
 
+from operations.patches import PATCHSET_PENDING
 from pyinfra_run import apply, dry_run, run_pyinfra
 
 pytestmark = pytest.mark.integration
@@ -39,10 +40,21 @@ def test_bad_host_data_is_refused_before_connecting(lab):
 def test_the_whole_deploy_converges_as_a_sudo_user_and_then_changes_nothing(lab):
     the_lab = lab(1, user="ubuntu")
     assert "'ssh_user': 'ubuntu'" in the_lab.inventory_path.read_text()
+    dry = dry_run(the_lab)   # the new release's patch record does not exist yet: its digest is named, not "none"
+    assert f'SERVESTACK_PATCHSET={PATCHSET_PENDING}' in dry.output and "SERVESTACK_PATCHSET=none" not in dry.output
     first = apply(the_lab)
     assert first.totals["success"] > 0
     second = apply(the_lab)
     assert second.totals["success"] == 0 and second.totals["error"] == 0
+
+    # a patch record deleted by hand: the patches step rewrites it as it was, nothing else changes
+    host = the_lab.hosts[0]
+    the_lab.exec(host, "rm /opt/servestack/releases/r-*/patches.json", check=True)
+    dry = dry_run(the_lab)
+    assert "Will rewrite the record" in dry.output and "will restart" not in dry.output, dry.output[-4000:]
+    assert "Will modify" not in dry.output   # the unit's diff
+    again = apply(the_lab)
+    assert again.totals["success"] == 1, again.output[-4000:]
     owner = the_lab.exec(the_lab.hosts[0], "stat -c %U /usr/local/cuda-13.0/bin/nvcc; readlink /opt/ml-env",
                          check=True).stdout.split()
     assert owner[0] == "root" and owner[1].startswith("/opt/servestack/releases/r-")

@@ -374,6 +374,17 @@ def host_ops(state: State):
     return host, state.get_meta_for_host(host)
 
 
+def test_the_check_names_the_digest_of_the_record_the_apply_writes(make_env):
+    """What the service step's unit carries (SERVESTACK_PATCHSET) before the patches step runs."""
+    env = make_env("0.5.9")
+    predicted = fact_output(env)["record_sha256"]
+    assert sh(remote_command(env.python, "apply", "sglang", str(env.record), PATCH_ROOT)).returncode == 0
+    assert hashlib.sha256(env.record.read_bytes()).hexdigest() == predicted
+    env.record.unlink()   # deleted by hand: rewritten as it was
+    again = fact_output(env)
+    assert (again["record"], again["record_sha256"]) == ("missing", predicted)
+
+
 def test_operation_applies_once_then_is_a_noop(make_env, run_locally, caplog):
     env = make_env("0.5.9")
     caplog.set_level(logging.DEBUG, logger="pyinfra")

@@ -126,7 +126,7 @@ case $1 in
             --property=ActiveState,SubState,NRestarts,Result,ExecMainStatus)
                 if broken; then printf 'ActiveState=failed\nSubState=failed\n'
                 else printf 'ActiveState=active\nSubState=running\n'; fi
-                printf 'NRestarts=0\nResult=exit-code\nExecMainStatus=1\n' ;;
+                printf 'NRestarts=%s\nResult=exit-code\nExecMainStatus=1\n' "${STUB_NRESTARTS:-0}" ;;
             --property=InvocationID) echo 0123abcd ;;
             *) echo "systemctl stand-in: unexpected $*" >&2; exit 1 ;;
         esac ;;
@@ -134,6 +134,11 @@ esac
 """
 CURL = r"""#!/bin/bash
 grep -q BROKEN "$SS_UNIT_PATH" && exit 7
+if [ -n "${STUB_HEALTH_FAILS:-}" ]; then       # the server is still starting for that many requests
+    n=$(cat "$STUB_LOG.curl" 2>/dev/null || echo 0)
+    echo $((n + 1)) > "$STUB_LOG.curl"
+    [ "$n" -lt "$STUB_HEALTH_FAILS" ] && exit 7
+fi
 for word in "$@"; do case $word in */generate) echo '{"text": " Paris."}' ;; esac; done
 """
 JOURNALCTL = """#!/bin/bash
@@ -174,9 +179,9 @@ class Gate:
                 "SS_GOOD_UNIT": str(self.state / "sglang.service.good"),
                 "SS_RECORD": str(self.state / "sglang.service.json"), "SS_PYTHON": sys.executable}
 
-    def run(self, previous: str | None = None) -> subprocess.CompletedProcess:
+    def run(self, previous: str | None = None, stubs: dict | None = None) -> subprocess.CompletedProcess:
         command = script_command(service.GATE_SCRIPT, env=self.env(previous))
-        return bash(command, env={"PATH": self.path, "STUB_LOG": str(self.log)}, check=False)
+        return bash(command, env={"PATH": self.path, "STUB_LOG": str(self.log), **(stubs or {})}, check=False)
 
     @property
     def good_unit(self) -> Path:
@@ -223,6 +228,15 @@ def test_a_failed_release_is_rolled_back_to_the_last_good_release_and_unit(gate)
     assert (last["release"], last["previous"], last["by"]) == ("r-a", "r-b", "service-rollback")
     assert (gate.root / "releases" / "r-b" / "venv" / "bin" / "python").exists()  # kept for inspection
     assert gate.record() is None  # the failed unit is never recorded as healthy
+
+
+def test_restarts_the_unit_had_before_the_gates_restart_are_not_taken_for_a_crash(gate):
+    """systemctl restart does not reset NRestarts: after a crash loop a healthy server that takes a
+    moment to answer still shows the old count."""
+    gate.unit.write_text("ExecStart=release r-b\n")
+    proc = gate.run(stubs={"STUB_NRESTARTS": "3", "STUB_HEALTH_FAILS": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert "is healthy on release r-b" in proc.stdout
 
 
 def test_a_rollback_where_the_venv_step_keeps_no_history_writes_none(gate):
