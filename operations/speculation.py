@@ -40,7 +40,7 @@ from pyinfra.facts.server import Groups
 
 from facts.batch import FactRequest
 from facts.service import PatchsetDigest, ServiceRecord, UnitState
-from operations import preflight, service, venv
+from operations import patches, preflight, service, venv
 from operations.releases import Release
 from servestack import bench, reads
 from servestack.bench import BASELINE, CONFIGURATIONS, SPECULATION
@@ -61,8 +61,8 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
                 FactRequest.of(ServiceRecord, path=service.record_path(settings)),
                 FactRequest.of(UnitState, unit=settings.service_name),
                 FactRequest.of(Groups)]
-    if release is not None:
-        requests.append(FactRequest.of(PatchsetDigest, release_dir=release.dir))
+    if release is not None:   # what the service runs: its release's patch set (patches.patchset_digest)
+        requests += [FactRequest.of(PatchsetDigest, release_dir=release.dir), *patches.host_reads(settings, release)]
     return requests
 
 
