@@ -212,6 +212,11 @@ def _packages(reader: _Reader, indexes: dict[str, str]) -> tuple[Package, ...]:
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise reader.fail("packages", "each package once", duplicates)
+    torch = next((package for package in packages if package.name == "torch"), None)
+    if torch is None:
+        raise reader.fail("packages", "a torch entry (the venv step installs its CUDA build, forced)", names)
+    if not re.fullmatch(r"cu\d\d+", Version(torch.version).local or ""):
+        raise reader.fail("packages", "torch's version with its CUDA local label, like '2.9.1+cu130'", torch.version)
     return tuple(sorted(packages, key=lambda package: package.step))
 
 

@@ -55,6 +55,24 @@ def manifest_without(tmp_path: Path, section: str, key: str) -> Path:
     return path
 
 
+@pytest.mark.parametrize("old, new, expected", [
+    ('name = "torch"\nversion = "2.9.1+cu130"', 'name = "torch"\nversion = "2.9.1"',
+     "key 'packages': expected torch's version with its CUDA local label, like '2.9.1+cu130', got '2.9.1'"),
+    ('name = "torch"\n', 'name = "torchx"\n', "key 'packages': expected a torch entry (the venv step installs its "
+                                              "CUDA build, forced), got ['torchx', 'torchvision', "),
+])
+def test_a_manifest_whose_torch_the_venv_step_cannot_force_is_refused_before_connecting(tmp_path, old, new, expected):
+    """Before, these passed validation and failed when the venv step planned a release on a connected host."""
+    text = DEFAULT_MANIFEST.read_text()
+    assert text.count(old) == 1
+    path = tmp_path / "stack.toml"
+    path.write_text(text.replace(old, new))
+    with pytest.raises(ConfigError) as error:
+        validate_inventory([FakeHost("h1", {"servestack_manifest": str(path)})])
+    lines = str(error.value).splitlines()[1:]
+    assert len(lines) == 1 and lines[0].startswith(f"host h1: {path}: {expected}")
+
+
 # -- strict keys (issue 18) -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("a, b, distance", [
