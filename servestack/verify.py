@@ -233,7 +233,13 @@ class Target:
 
     def run_command(self, command: str) -> str:
         """Run a command with sh on the host; its stdout (the facts it reads report their own failures)."""
-        result = self.host.run("sh -c %s", command)
+        try:
+            result = self.host.run("sh -c %s", command)
+        except RuntimeError as error:   # testinfra's ssh backend raises its CommandResult when ssh failed
+            failed = error.args[0] if error.args else None
+            if not hasattr(failed, "stderr"):
+                raise
+            raise RuntimeError(f"ssh exited {failed.rc}: {failed.stderr.strip()[-500:]}") from None
         if not result.stdout.strip() and result.rc != 0:
             raise RuntimeError(f"{self.name}: the command could not run (exit {result.rc}): "
                                f"{result.stderr.strip()[-500:]}")

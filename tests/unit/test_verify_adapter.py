@@ -1,6 +1,7 @@
 """The verification suite's adapter: a pyinfra inventory (group data, --limit, connectors) becomes
 testinfra backends reaching each host the way pyinfra does, with that host's settings."""
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -218,6 +219,23 @@ def test_an_unreachable_host_fails_each_check_once_tried_without_retrying():
     assert len(calls) == 1
     with pytest.raises(pytest.fail.Exception, match="cannot run the probes on node-09"):
         target.check("driver_version")
+
+
+def test_a_host_ssh_cannot_reach_is_named_with_sshs_own_words_not_every_probe(tmp_path):
+    """testinfra raises its whole CommandResult (the probe scripts included: 140 KB for `status`)."""
+    from servestack.verify import Unreachable
+
+    with socket.socket() as probe:     # a loopback port nothing listens on: the connection is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    inventory = tmp_path / "inventory.py"
+    inventory.write_text(f'hosts = [("sr", {{"ssh_hostname": "127.0.0.1", "ssh_port": {port}, '
+                         f'"servestack_allow_local": True}})]\n')
+    target = targets_from_inventory(str(inventory), None, action="read", local=False)[0]
+    with pytest.raises(Unreachable) as error:
+        target.read("host")
+    message = str(error.value)
+    assert "Connection refused" in message and "ssh exited 255" in message and len(message) < 700
 
 
 def test_the_example_inventorys_placeholders_are_refused():
