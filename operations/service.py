@@ -75,6 +75,17 @@ GENERATE_REQUEST = {"text": "The capital of France is", "sampling_params": {"max
 GENERATE_TIMEOUT_S = 300
 RUNNING_STATES = ("active", "activating", "reloading")
 
+
+def running(state: dict) -> bool:
+    """Whether systemd runs the unit's server or is starting it (UnitState's properties): not a
+    crash loop between two automatic restarts (activating / auto-restart)."""
+    return state.get("ActiveState") in RUNNING_STATES and state.get("SubState") != "auto-restart"
+
+
+def unit_state_text(state: dict) -> str:
+    active = state.get("ActiveState", "unknown")
+    return f"{active} (auto-restart: its server keeps exiting)" if state.get("SubState") == "auto-restart" else active
+
 @dataclass(frozen=True)
 class NoEffect:
     """A setting known to do nothing for a package version on some GPU architectures."""
@@ -686,8 +697,8 @@ def restart(settings: Settings, release: Release, secrets_sha: str | None = None
     """
     wanted = fingerprint(desired_unit(settings, release, supplementary_groups), secrets_sha)
     record = reads.fact(host, ServiceRecord, path=record_path(settings))
-    active = reads.fact(host, UnitState, unit=settings.service_name).get("ActiveState", "unknown")
-    if record and record.get("fingerprint") == wanted and active in RUNNING_STATES:
+    state = reads.fact(host, UnitState, unit=settings.service_name)
+    if record and record.get("fingerprint") == wanted and running(state):
         noop(host, f"{settings.service_name} runs release {release.id} as last verified healthy; not restarted")
         return
     local_paths = local_model_paths(settings)
@@ -707,8 +718,8 @@ def restart(settings: Settings, release: Release, secrets_sha: str | None = None
                 f"{settings.rollout_failure_budget})"])
             return
         failures.gating(host.current_op_hash, host.name)
-    why = ("what it runs with changed" if record and active in RUNNING_STATES
-           else f"it is {active}" if record else "no healthy start recorded yet")
+    why = ("what it runs with changed" if record and running(state)
+           else f"it is {unit_state_text(state)}" if record else "no healthy start recorded yet")
     verb = "restarting" if host.state.is_executing else "will restart"
     host.log(f"{verb} {settings.service_name} on release {release.id}: {why}", logger.info)
     yield while_busy(host, settings.servestack_state_dir, f"health-gated restart of {settings.service_name}",

@@ -83,12 +83,13 @@ class Job:
 def _on_demand_problem(settings: Settings, release: Release) -> str | None:
     """Why `servestack bench` cannot measure the host: the service must run as a deploy left it."""
     record = reads.fact(host, ServiceRecord, path=service.record_path(settings))
-    active = reads.fact(host, UnitState, unit=settings.service_name).get("ActiveState", "unknown")
+    state = reads.fact(host, UnitState, unit=settings.service_name)
     if not record or not record.get("fingerprint") or record.get("release") != release.id:
         return (f"{settings.service_name} has no healthy start recorded on the active release {release.id}: "
                 "deploy first (pyinfra INVENTORY deploy.py); nothing was changed")
-    if active not in service.RUNNING_STATES:
-        return f"{settings.service_name} is {active}, not running: deploy first; nothing was changed"
+    if not service.running(state):
+        return (f"{settings.service_name} is {service.unit_state_text(state)}, not running: deploy first; "
+                "nothing was changed")
     return None
 
 

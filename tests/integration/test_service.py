@@ -361,6 +361,27 @@ def poll_while(svc: ServiceLab, action):
 
 
 @integration
+def test_a_crash_looping_service_is_repaired_by_the_next_converge(service_lab):
+    """systemd keeps NRestarts across `systemctl restart`: the gate must not take the crash loop's
+    count for a crash of the release it starts (which answers /health only after 2 s here)."""
+    svc = service_lab(1)
+    host = svc.sb.hosts[0]
+    data = {"service_env": {"FAKE_SGLANG_STARTUP_S": "2"}}
+    svc.serve("r-000000000001", data)
+    svc.sh(host, f"sed -i 's|^ExecStart=|ExecStart=/bin/false |' {UNIT} && systemctl daemon-reload && "
+                 "systemctl restart sglang.service")   # edited by hand: the server exits at once, systemd restarts it
+    deadline = time.monotonic() + 60
+    while int(svc.sh(host, "systemctl show --property=NRestarts --value sglang.service").strip() or 0) < 1:
+        assert time.monotonic() < deadline, "the hand-made crash loop did not restart"
+        time.sleep(1)
+    run = svc.converge(data, "-y")
+    assert run.rc == 0, run.log
+    assert "/bin/false" not in svc.sh(host, f"cat {UNIT}")
+    assert svc.sh(host, "systemctl is-active sglang.service").strip() == "active"
+    assert svc.generate(host)
+
+
+@integration
 def test_rolling_restart_keeps_two_of_three_hosts_answering(service_lab):
     svc = service_lab(3)
     data = {"service_env": {"FAKE_SGLANG_STARTUP_S": "2"}}

@@ -338,6 +338,17 @@ def test_no_secret_or_version_literal_lives_in_the_service_code():
     assert "13.0.1" not in source and "cu130" not in source and "/usr/local/cuda-13.0" not in source
 
 
+@pytest.mark.parametrize("state, expected", [
+    ({"ActiveState": "active", "SubState": "running"}, True),
+    ({"ActiveState": "activating", "SubState": "start"}, True),
+    ({"ActiveState": "activating", "SubState": "auto-restart"}, False),   # a crash loop, between two starts
+    ({"ActiveState": "failed", "SubState": "failed"}, False),
+    ({}, False),
+])
+def test_a_crash_loop_between_automatic_restarts_is_not_a_running_service(state, expected):
+    assert service.running(state) is expected
+
+
 # -- the roll-out's failure budget --------------------------------------------------------------------
 
 class _Host:
