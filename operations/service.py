@@ -35,6 +35,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from io import StringIO
 
 import jinja2
@@ -42,7 +43,7 @@ from pyinfra import host, logger
 from pyinfra.api import FileUploadCommand, QuoteString, StringCommand, deploy, operation
 from pyinfra.api.output import format_text
 from pyinfra.api.state import BaseStateCallback
-from pyinfra.facts.files import Directory, FileContents, Sha256File
+from pyinfra.facts.files import Directory, File, FileContents, Sha256File
 from pyinfra.facts.server import Groups, Which
 from pyinfra.operations import server
 from pyinfra.operations.util.files import generate_color_diff
@@ -56,7 +57,7 @@ from operations.releases import TOOL, Release, encode, release_at
 from operations.venv import mlenv_fact_arguments
 from servestack import bench, reads
 from servestack.errors import ConfigError
-from servestack.hostrun import noop, plan, refuse, refuse_now, while_busy
+from servestack.hostrun import noop, parse_stamp, plan, refuse, refuse_now, while_busy
 from servestack.manifest import PROJECT_ROOT
 from servestack.pyinfra_hooks import inner
 from servestack.scripts import atomic_write_command, script
@@ -80,6 +81,24 @@ def running(state: dict) -> bool:
     """Whether systemd runs the unit's server or is starting it (UnitState's properties): not a
     crash loop between two automatic restarts (activating / auto-restart)."""
     return state.get("ActiveState") in RUNNING_STATES and state.get("SubState") != "auto-restart"
+
+
+def restarted_since_verified(record: dict | None, state: dict) -> bool:
+    """Whether the unit was started since the health gate's last verified start (another
+    InvocationID: by hand, or by systemd after a crash). A record from before servestack kept the
+    invocation says no."""
+    recorded = (record or {}).get("invocation")
+    return bool(recorded and state.get("InvocationID") and state["InvocationID"] != recorded)
+
+
+def started_from_another_unit(record: dict | None, state: dict, unit_mtime: datetime | None) -> bool:
+    """Whether the running server may run a unit other than the one the health gate verified: it
+    was started since that start and the unit file was written since (`unit_mtime`, UTC: a hand
+    edit, which this run puts back). Either alone is harmless: an edit without a restart leaves the
+    verified unit running; a restart of an untouched unit runs it again."""
+    healthy_at = parse_stamp((record or {}).get("healthy_at"))
+    return (restarted_since_verified(record, state)
+            and bool(unit_mtime and healthy_at and unit_mtime > healthy_at.replace(tzinfo=None)))
 
 
 def unit_state_text(state: dict) -> str:
@@ -698,7 +717,9 @@ def restart(settings: Settings, release: Release, secrets_sha: str | None = None
     wanted = fingerprint(desired_unit(settings, release, supplementary_groups), secrets_sha)
     record = reads.fact(host, ServiceRecord, path=record_path(settings))
     state = reads.fact(host, UnitState, unit=settings.service_name)
-    if record and record.get("fingerprint") == wanted and running(state):
+    elsewhere = restarted_since_verified(record, state) and started_from_another_unit(
+        record, state, (reads.fact(host, File, path=unit_path(settings)) or {}).get("mtime"))
+    if record and record.get("fingerprint") == wanted and running(state) and not elsewhere:
         noop(host, f"{settings.service_name} runs release {release.id} as last verified healthy; not restarted")
         return
     local_paths = local_model_paths(settings)
@@ -718,7 +739,8 @@ def restart(settings: Settings, release: Release, secrets_sha: str | None = None
                 f"{settings.rollout_failure_budget})"])
             return
         failures.gating(host.current_op_hash, host.name)
-    why = ("what it runs with changed" if record and running(state)
+    why = ("it was restarted from a unit edited since its last verified start" if elsewhere
+           else "what it runs with changed" if record and running(state)
            else f"it is {unit_state_text(state)}" if record else "no healthy start recorded yet")
     verb = "restarting" if host.state.is_executing else "will restart"
     host.log(f"{verb} {settings.service_name} on release {release.id}: {why}", logger.info)

@@ -40,6 +40,16 @@ def utc_stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
+def parse_stamp(stamp: str | None) -> datetime | None:
+    """servestack's compact UTC stamps (20260106T100000Z) and ISO 8601 ones (2026-01-06T10:00:00Z)."""
+    for form in ("%Y%m%dT%H%M%SZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.strptime(stamp or "", form).replace(tzinfo=timezone.utc)
+        except ValueError:
+            continue
+    return None
+
+
 def controller_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 

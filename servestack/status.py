@@ -60,6 +60,7 @@ from operations.verify import record_path
 from servestack import bench
 from servestack.checks.parse import report
 from servestack.checks.readings import requests as check_requests
+from servestack.hostrun import parse_stamp
 from servestack.settings import Settings
 
 NOT_RECORDED = "not recorded"
@@ -124,16 +125,6 @@ class StatusReadings:
 
 
 # --- times ----------------------------------------------------------------------------------
-
-
-def parse_stamp(stamp: str | None) -> datetime | None:
-    """servestack's compact UTC stamps (20260106T100000Z) and ISO 8601 ones (2026-01-06T10:00:00Z)."""
-    for form in ("%Y%m%dT%H%M%SZ", "%Y-%m-%dT%H:%M:%SZ"):
-        try:
-            return datetime.strptime(stamp or "", form).replace(tzinfo=timezone.utc)
-        except ValueError:
-            continue
-    return None
 
 
 def iso(moment: datetime | None) -> str | None:

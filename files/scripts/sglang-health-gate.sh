@@ -110,8 +110,8 @@ restart_and_check() {
 
 remember_good_unit() {
   local record
-  printf -v record '{"fingerprint": "%s", "release": "%s", "unit": "%s", "healthy_at": "%s"}' \
-    "$SS_FINGERPRINT" "$SS_RELEASE" "$SS_UNIT_PATH" "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  printf -v record '{"fingerprint": "%s", "release": "%s", "unit": "%s", "healthy_at": "%s", "invocation": "%s"}' \
+    "$SS_FINGERPRINT" "$SS_RELEASE" "$SS_UNIT_PATH" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$invocation"
   install -d -m 755 -- "$SS_STATE_DIR" && copy_atomically "$SS_UNIT_PATH" "$SS_GOOD_UNIT" 644 &&
     write_atomically "$SS_RECORD" "$record"
 }

@@ -382,6 +382,24 @@ def test_a_crash_looping_service_is_repaired_by_the_next_converge(service_lab):
 
 
 @integration
+def test_a_server_restarted_by_hand_from_an_edited_unit_is_restarted_from_the_unit_put_back(service_lab):
+    """Putting the unit file back is not enough when the running server was started from the edit."""
+    svc = service_lab(1)
+    host = svc.sb.hosts[0]
+    svc.serve("r-000000000001")
+    time.sleep(1.1)   # the edit is in a later second than the verified start (both are whole seconds)
+    svc.sh(host, f"sed -i 's|--port 30000|--port 30001|' {UNIT} && systemctl daemon-reload && "
+                 "systemctl restart sglang.service")
+    dry = svc.converge({}, "--dry")
+    assert "restart sglang.service on release r-000000000001: it was restarted from a unit edited" in dry.log, dry.log
+    run = svc.converge({}, "-y")
+    assert run.rc == 0, run.log
+    assert svc.generate(host)     # on port 30000 again
+    again = svc.converge({}, "-y")
+    assert again.rc == 0 and again.changed == 0, again.log
+
+
+@integration
 def test_rolling_restart_keeps_two_of_three_hosts_answering(service_lab):
     svc = service_lab(3)
     data = {"service_env": {"FAKE_SGLANG_STARTUP_S": "2"}}

@@ -6,6 +6,7 @@ import logging
 import shlex
 import shutil
 import subprocess
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -347,6 +348,21 @@ def test_no_secret_or_version_literal_lives_in_the_service_code():
 ])
 def test_a_crash_loop_between_automatic_restarts_is_not_a_running_service(state, expected):
     assert service.running(state) is expected
+
+
+VERIFIED = {"fingerprint": "f" * 64, "healthy_at": "2026-12-01T10:00:00Z", "invocation": "aaaa"}
+
+
+@pytest.mark.parametrize("record, invocation, unit_mtime, expected", [
+    (VERIFIED, "aaaa", datetime(2026, 12, 1, 11, 0), False),      # edited, not restarted: the verified unit runs
+    (VERIFIED, "bbbb", datetime(2026, 12, 1, 9, 0), False),       # restarted, unit untouched since: the same unit
+    (VERIFIED, "bbbb", datetime(2026, 12, 1, 10, 0), False),      # written in the second it was verified
+    (VERIFIED, "bbbb", datetime(2026, 12, 1, 11, 0), True),       # edited and restarted by hand
+    ({**VERIFIED, "invocation": None}, "bbbb", datetime(2026, 12, 1, 11, 0), False),   # a record from before
+    (VERIFIED, "bbbb", None, False),                              # no unit file
+])
+def test_a_server_restarted_from_a_hand_edited_unit_is_told_apart(record, invocation, unit_mtime, expected):
+    assert service.started_from_another_unit(record, {"InvocationID": invocation}, unit_mtime) is expected
 
 
 # -- the roll-out's failure budget --------------------------------------------------------------------

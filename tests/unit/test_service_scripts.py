@@ -212,6 +212,7 @@ def test_a_healthy_restart_is_remembered_as_the_last_good_unit(gate):
     assert gate.good_unit.read_text() == "ExecStart=release r-b\n"
     record = gate.record()
     assert (record["fingerprint"], record["release"], record["unit"]) == ("f" * 64, "r-b", str(gate.unit))
+    assert record["invocation"] == "0123abcd"   # the start it verified (the stand-in's InvocationID)
     assert "systemctl restart -- sglang.service" in gate.log.read_text()
 
 
