@@ -81,14 +81,7 @@ def test_the_stand_in_parses_exactly_what_the_unit_passes():
     ({"service_port": "30000"}, "'service_port': expected an integer from 1 to 65535"),
     ({"service_enable_torch_symm_mem": "yes"}, "'service_enable_torch_symm_mem': expected true or false"),
     ({"service_speculative_algorithm": "eagle3"}, "'service_speculative_algorithm': expected one of"),
-])
-def test_settings_refuse_bad_flag_values_naming_host_and_key(data, expected):
-    with pytest.raises(ConfigError, match="host gpu-01: ") as error:
-        settings(**data)
-    assert expected in str(error.value)
-
-
-@pytest.mark.parametrize("data, expected", [
+    # the service data a unit cannot use: refused with the other settings, before any connection
     ({"service_extra_args": ["--port=31000"]}, "'service_extra_args': --port is set from its own host-data key"),
     ({"service_extra_args": ["--tp-size", "4"]}, "'service_extra_args': --tp-size is set from its own host-data key"),
     ({"service_env": {"CUDA_HOME": "/usr/local/cuda"}}, "'service_env': CUDA_HOME is pinned by servestack"),
@@ -106,8 +99,7 @@ def test_settings_refuse_bad_flag_values_naming_host_and_key(data, expected):
     ({"service_launch_module": "sglang.launch_server --evil"}, "'service_launch_module': expected a python module name"),
     ({"cuda_install_path": "/usr/local/cuda-13.0\r"}, "'cuda_install_path': expected an absolute path"),
 ])
-def test_the_service_data_a_unit_cannot_use_is_refused_with_the_other_settings(data, expected):
-    """Refused where every other setting is, before any connection (servestack/preconnect.py)."""
+def test_settings_refuse_bad_values_naming_host_and_key(data, expected):
     with pytest.raises(ConfigError, match="host gpu-01: ") as error:
         settings(**data)
     assert expected in str(error.value)
