@@ -10,6 +10,7 @@ interruptions (servestack/runreport.py). It also sets TCP_NODELAY on every SSH c
 import sys
 
 from pyinfra import state
+from pyinfra_cli.exceptions import CliError
 
 from servestack import runreport
 from servestack.errors import ConfigError
@@ -18,10 +19,15 @@ from servestack.pyinfra_hooks import enable_tcp_nodelay, validate_after_inventor
 
 
 def inventory_loaded(loaded_state) -> None:
-    validate_targets(loaded_state)
-    problem = runreport.prompt_problem(sys.argv)
-    if problem:
-        raise ConfigError(problem)
+    """A refusal is shown as the CLI's own errors are (`--> pyinfra error: ...`), not as an error
+    raised at a line of servestack's code."""
+    try:
+        validate_targets(loaded_state)
+        problem = runreport.prompt_problem(sys.argv)
+        if problem:
+            raise ConfigError(problem)
+    except ConfigError as error:
+        raise CliError(str(error)) from None
     runreport.install(loaded_state)
 
 

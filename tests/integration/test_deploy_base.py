@@ -35,6 +35,7 @@ def test_bad_host_data_is_refused_before_connecting(lab):
     assert run.returncode != 0
     assert "host h1: 'service_tp': expected a tensor-parallel size that divides gpu_count=3, got 8" in run.output
     assert "Connecting to hosts" not in run.output
+    assert "--> pyinfra error: refusing to run" in run.output and "preconnect.py" not in run.output
 
 
 def test_the_whole_deploy_converges_as_a_sudo_user_and_then_changes_nothing(lab):

@@ -3,6 +3,8 @@ of every host at once, before any connection, one line each naming the host (or 
 (issues 16 and 18)."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +13,11 @@ from servestack import cli
 from servestack.errors import ConfigError, ManifestError
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.preconnect import validate_targets
-from servestack.targets import is_this_machine
 from servestack.settings import (edit_distance, foreign_key_problem, host_keys, settings_from_data,
                                  validate_inventory)
+from servestack.targets import is_this_machine
 
+ROOT = Path(__file__).resolve().parents[2]
 KNOWN = host_keys(load_manifest())
 USER_HINT = "(a key of your own: list it in servestack_user_keys)"
 
@@ -209,6 +212,21 @@ def test_a_name_the_hosts_file_maps_to_loopback_is_this_machine_and_others_are_n
     assert not is_this_machine("commented-out", str(hosts_file))
     assert not is_this_machine("198.18.0.2", str(hosts_file))
     assert not is_this_machine("gpu-02.example.com", str(hosts_file))
+
+
+def test_the_pyinfra_cli_shows_a_refusal_as_its_own_error_not_as_a_line_of_servestack(tmp_path):
+    """The real CLI with config.py; nothing connects (the host is loopback, refused before that)."""
+    inventory = tmp_path / "inventory.py"
+    inventory.write_text('hosts = [("sr", {"ssh_hostname": "127.0.0.1", "servestack_allow_local": True, '
+                         '"service_user": "root"})]\n')
+    pyinfra = Path(sys.executable).parent / "pyinfra"
+    run = subprocess.run([str(pyinfra), str(inventory), "deploy.py", "--dry"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1, output
+    assert "--> pyinfra error: refusing to run (nothing was changed on any host):" in output
+    assert "host sr: 'service_user': expected a dedicated unprivileged user, got 'root'" in output
+    assert "preconnect.py" not in output and "Connecting to hosts" not in output
 
 
 def test_the_limit_decides_which_hosts_are_checked():
