@@ -302,10 +302,10 @@ def _take_lock(settings: Settings) -> tuple[bool, str]:
     path = lock_path(settings.servestack_state_dir)
     held = [line[5:] for line in stdout if line.startswith("held ")]
     if held:
-        return False, f"another servestack run holds {path}: {held[0]}"
+        return False, f"another servestack run holds {path}: {parse_lock([f'lock {held[0]}']).describe()}"
     if not ok:
         return False, f"cannot take {path}: {' '.join(stderr) or 'unknown error'}"
-    stale = [line[6:] for line in stdout if line.startswith("stale ")]
+    stale = [parse_lock([f"lock {line[6:]}"]).describe() for line in stdout if line.startswith("stale ")]
     if not stale:
         return True, f"lock {path} held by run {run_id(state)}"
     interrupted = [parse_lock(["lock {}", line]).doing() for line in stdout if line.startswith("activity ")]

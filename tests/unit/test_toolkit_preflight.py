@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from pyinfra import host
 from pyinfra.api.deploy import add_deploy, deploy
+from pyinfra.context import ctx_host, ctx_state
 
 from facts.gpu import Gpu, GpuReport
 from facts.host import (
@@ -35,7 +36,7 @@ from operations.toolkit import kept_paths, runfile_candidates, runfile_toolkit, 
 from servestack.doctor import render_json, report_for
 from servestack.sandbox.standins.toolkit import write_toolkit_tree
 from servestack.settings import host_settings, settings_from_data
-from tests.unit.fake_host import fake_state
+from tests.unit.fake_host import fake_state, run_here
 from tests.unit.flock_holder import flock_held
 from tests.unit.test_toolkit_decisions import host_lab  # noqa: F401  (a fixture)
 from tests.unit.test_toolkit_scripts import installer_tmp_log_in_tmp_path  # noqa: F401  (an autouse fixture)
@@ -228,6 +229,21 @@ def test_lock_take_is_exclusive_and_stale_locks_are_replaced(tmp_path):
     assert sh(release_lock_command(state, "run-B")).stdout == "released\n"
     assert not path.exists()
     assert sh(take_lock_command(state, "run-C", "ctl:3", "T")).stdout == "taken\n"
+
+
+def test_a_lock_another_run_took_meanwhile_is_named_by_its_run_not_its_json(tmp_path, monkeypatch):
+    """Two runs that both found the lock free at prepare: the one that loses the take says whose it is."""
+    from operations import preflight
+
+    state_dir = tmp_path / "state"
+    sh(take_lock_command(str(state_dir), "run-A", "ctl:1", "2026-12-01T10:00:00Z"))
+    run_here(monkeypatch, lambda command: str(state_dir) in command, sh)
+    state = fake_state({})
+    with ctx_state.use(state), ctx_host.use(state.inventory.get_host("@fake/gpu1")):
+        taken, text = preflight._take_lock(settings(servestack_state_dir=str(state_dir)))
+    assert not taken
+    assert text == (f"another servestack run holds {state_dir}/lock: run run-A from ctl:1, "
+                    "started 2026-12-01T10:00:00Z")
 
 
 def test_lock_of_a_rebooted_host_is_stale(tmp_path):
