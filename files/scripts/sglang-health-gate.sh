@@ -19,6 +19,7 @@
 #   SS_VENV_PATH         the stable venv path (a link to a release's venv)
 #   SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV  the last good release and its venv (empty: none known)
 #   SS_PREVIOUS_LABEL    how messages name what a rollback returns to
+#   SS_PREVIOUS_FINGERPRINT  the last good unit's fingerprint (its record's; empty: a baseline record)
 #   SS_PYTHON            the python that runs the venv step's tool
 #   SS_ML_ENV_TOOL       files/scripts/ml_env.py, which records a rollback in the venv step's
 #                        activation history (where there is one)
@@ -108,12 +109,26 @@ restart_and_check() {
   wait_ready "$SS_HEALTH_TIMEOUT" && answers
 }
 
-remember_good_unit() {
+# The record of a start this gate verified: what the unit runs with ($1, a fingerprint), on which
+# release ($2), when, and the start itself (its InvocationID: a later start was not verified).
+record_verified_start() {
   local record
   printf -v record '{"fingerprint": "%s", "release": "%s", "unit": "%s", "healthy_at": "%s", "invocation": "%s"}' \
-    "$SS_FINGERPRINT" "$SS_RELEASE" "$SS_UNIT_PATH" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$invocation"
+    "$1" "$2" "$SS_UNIT_PATH" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$invocation"
+  write_atomically "$SS_RECORD" "$record"
+}
+
+remember_good_unit() {
   install -d -m 755 -- "$SS_STATE_DIR" && copy_atomically "$SS_UNIT_PATH" "$SS_GOOD_UNIT" 644 &&
-    write_atomically "$SS_RECORD" "$record"
+    record_verified_start "$SS_FINGERPRINT" "$SS_RELEASE"
+}
+
+# After a rollback to the last good unit: that unit's record, with the start just verified (none
+# for a unit servestack did not write: its baseline record has no fingerprint).
+remember_rollback_start() {
+  [ -n "$SS_PREVIOUS_FINGERPRINT" ] || return 0
+  record_verified_start "$SS_PREVIOUS_FINGERPRINT" "$SS_PREVIOUS_RELEASE" ||
+    message "could not record the rolled-back start in $SS_RECORD"
 }
 
 # Point the stable venv path back at the previous release (a rename, as the venv step does).
@@ -163,6 +178,7 @@ if [ ! -f "$SS_GOOD_UNIT" ]; then
 fi
 
 if reactivate_previous_venv && restore_good_unit && restart_and_check; then
+  remember_rollback_start
   message "$failure; rolled back to $SS_PREVIOUS_LABEL, which is healthy and answering again; release $SS_RELEASE stays in $SS_RELEASE_DIR for inspection"
   exit 1
 fi

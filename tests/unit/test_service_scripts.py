@@ -228,7 +228,8 @@ def test_a_failed_release_is_rolled_back_to_the_last_good_release_and_unit(gate)
     last = json.loads(gate.history.read_text())["activations"][-1]
     assert (last["release"], last["previous"], last["by"]) == ("r-a", "r-b", "service-rollback")
     assert (gate.root / "releases" / "r-b" / "venv" / "bin" / "python").exists()  # kept for inspection
-    assert gate.record() is None  # the failed unit is never recorded as healthy
+    record = gate.record()   # the failed unit is never recorded as healthy: the good one is, with its new start
+    assert (record["fingerprint"], record["release"], record["invocation"]) == ("0" * 64, "r-a", "0123abcd")
 
 
 def test_restarts_the_unit_had_before_the_gates_restart_are_not_taken_for_a_crash(gate):
