@@ -91,19 +91,19 @@ def restarted_since_verified(record: dict | None, state: dict) -> bool:
     return bool(recorded and state.get("InvocationID") and state["InvocationID"] != recorded)
 
 
-def started_from_another_unit(record: dict | None, state: dict, unit_mtime: datetime | None) -> bool:
-    """Whether the running server may run a unit other than the one the health gate verified: it
-    was started since that start and the unit file was written since (`unit_mtime`, UTC: a hand
-    edit, which this run puts back). Either alone is harmless: an edit without a restart leaves the
-    verified unit running; a restart of an untouched unit runs it again."""
+def edited_since_verified(record: dict | None, unit_mtime: datetime | None) -> bool:
+    """Whether the unit file was written after the health gate's last verified start (`unit_mtime`,
+    UTC: a hand edit, which this run puts back). With `restarted_since_verified`, the running server
+    may run that edit; either alone is harmless (an edit without a restart leaves the verified unit
+    running; a restart of an untouched unit runs it again)."""
     healthy_at = parse_stamp((record or {}).get("healthy_at"))
-    return (restarted_since_verified(record, state)
-            and bool(unit_mtime and healthy_at and unit_mtime > healthy_at.replace(tzinfo=None)))
+    return bool(unit_mtime and healthy_at and unit_mtime > healthy_at.replace(tzinfo=None))
 
 
 def unit_state_text(state: dict) -> str:
     active = state.get("ActiveState", "unknown")
     return f"{active} (auto-restart: its server keeps exiting)" if state.get("SubState") == "auto-restart" else active
+
 
 @dataclass(frozen=True)
 class NoEffect:
@@ -718,8 +718,8 @@ def restart(settings: Settings, release: Release, secrets_sha: str | None = None
     wanted = fingerprint(desired_unit(settings, release, supplementary_groups), secrets_sha)
     record = reads.fact(host, ServiceRecord, path=record_path(settings))
     state = reads.fact(host, UnitState, unit=settings.service_name)
-    elsewhere = restarted_since_verified(record, state) and started_from_another_unit(
-        record, state, (reads.fact(host, File, path=unit_path(settings)) or {}).get("mtime"))
+    elsewhere = restarted_since_verified(record, state) and edited_since_verified(
+        record, (reads.fact(host, File, path=unit_path(settings)) or {}).get("mtime"))
     if record and record.get("fingerprint") == wanted and running(state) and not elsewhere:
         noop(host, f"{settings.service_name} runs release {release.id} as last verified healthy; not restarted")
         return

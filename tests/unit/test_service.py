@@ -354,7 +354,9 @@ VERIFIED = {"fingerprint": "f" * 64, "healthy_at": "2026-12-01T10:00:00Z", "invo
     (VERIFIED, "bbbb", None, False),                              # no unit file
 ])
 def test_a_server_restarted_from_a_hand_edited_unit_is_told_apart(record, invocation, unit_mtime, expected):
-    assert service.started_from_another_unit(record, {"InvocationID": invocation}, unit_mtime) is expected
+    state = {"InvocationID": invocation}
+    assert (service.restarted_since_verified(record, state)
+            and service.edited_since_verified(record, unit_mtime)) is expected
 
 
 # -- the roll-out's failure budget --------------------------------------------------------------------
