@@ -17,7 +17,15 @@ from pyinfra.facts.server import Users
 # Properties read from `systemctl show`; the restart decision, the verification checks (the unit's
 # files: fragment and drop-ins) and the tests use them.
 UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "UnitFileState",
-                   "NeedDaemonReload", "FragmentPath", "DropInPaths", "InvocationID")
+                   "NeedDaemonReload", "FragmentPath", "DropInPaths", "InvocationID", "Result")
+# The Result of a unit systemd stopped restarting: its StartLimitBurst was reached.
+GAVE_UP = "start-limit-hit"
+
+
+def gave_up_text(unit: str) -> str:
+    """How verify and status name a unit systemd gave up on."""
+    return (f"systemd gave up on {unit} (Result={GAVE_UP}): its server kept exiting until the unit's "
+            "StartLimitBurst was reached; see `journalctl -u " + unit + "`, then re-run the deploy")
 
 
 class PatchsetDigest(FactBase):

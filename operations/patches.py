@@ -58,7 +58,7 @@ def patchset_digest(release: Release) -> str | None:
     if not status:   # no patch state (pyinfra's @fake connector without one): the records as they are
         return current
     if not status["installed"]:
-        version = host_settings(host).manifest.package(PACKAGE).version
+        version = host_settings(host).package(PACKAGE).version
         return PATCHSET_PENDING if load_patch_sets(PACKAGE).get(version) else current
     if status["patch_set"] is None or status["record"] == "current" or not status.get("record_sha256"):
         return current
@@ -128,7 +128,7 @@ def _predict_for_unbuilt_release(python: str, record_path, patch_root: str, what
     The patch files are the diffs that will be applied; when the deploy runs, this operation
     reads the built release and decides again (applied / applicable / upstream / conflict).
     """
-    version = host_settings(host).manifest.package(PACKAGE).version
+    version = host_settings(host).package(PACKAGE).version
     patch_set = load_patch_sets(PACKAGE, patch_root).get(version)
     if patch_set is None:
         noop(host, f"{PACKAGE} patches: no patch set for {PACKAGE} {version}, nothing to apply")

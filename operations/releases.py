@@ -9,8 +9,9 @@ A release is one venv built beside the others under `venv_releases_dir`:
     <releases_dir>/<id>/lock.txt           `uv pip compile --generate-hashes` output: the exact set
     <releases_dir>/<id>/release.json       id, status, created, python, packages, lock sha256, inputs
 
-The id is `r-` + 12 hex digits of the sha256 of the release's *inputs* (every pin and its source,
-the overrides, the default index, uv's version, the host's Python major.minor and architecture),
+The id is `r-` + 12 hex digits of the sha256 of the release's *inputs* (the stack's name, every pin
+and its source, the upload-time bound, the default index, uv's version, the host's Python
+major.minor and architecture),
 so the control machine predicts it without resolving anything, and a converged host rebuilds
 nothing. A hand-made venv adopted on the first run is release `adopted-<UTC timestamp>`.
 
@@ -24,6 +25,10 @@ How the stack is resolved (why it looks like this):
   local labels (`+cu130`) already satisfy dependents' pins such as sglang's `torch==2.9.1`.
 - Pinning the local label (`torch==2.9.1+cu130`) is what defeats the reference upgrade's trap: a
   pin without it is satisfied by an installed `+cu128` build.
+- The stack's `exclude_newer` bounds every upload time (`upload_bound`): every host of a fleet that
+  builds the release, today or in a year, resolves the same set (a resolution of sglang 0.5.9 without
+  it picked numpy, pillow, protobuf and apache-tvm-ffi releases from months later). The bound is an
+  input, so it is part of the release id.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ HEREDOC = "__SERVESTACK_ML_ENV__"
 DEFAULT_INDEX = "pypi"  # the manifest's [indexes] entry uv treats as the default index
 IMPORT_CHECKS = ("flashinfer", "sglang")  # flashinfer's import runs its own version check
 RELEASE_ID = re.compile(r"^(r-[0-9a-f]{12}|adopted-\d{8}T\d{6}Z)$")
-INPUTS_SCHEMA = 1
+INPUTS_SCHEMA = 2  # 2: the stack's name, torch_cuda and exclude_newer
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class ReleasePlan(Release):
     inputs: dict = field(repr=False)
     files: dict = field(repr=False)
     steps: dict = field(repr=False)
+    bound: list = field(repr=False)
     expect: dict = field(repr=False)
 
 
@@ -84,14 +90,6 @@ def python_series(version: str) -> str:
     """'3.11.2' -> '3.11': a patch update of the host's Python keeps the release."""
     release = Version(version).release
     return f"{release[0]}.{release[1]}"
-
-
-def cuda_of_local_label(version: str) -> str:
-    """'2.9.1+cu130' -> '13.0' (what `torch.version.cuda` reports for that build)."""
-    match = re.fullmatch(r"cu(\d+)(\d)", Version(version).local or "")
-    if not match:
-        raise ConfigError(f"stack.toml: torch version {version!r} has no CUDA local label like '+cu130'")
-    return f"{int(match.group(1))}.{match.group(2)}"
 
 
 def package_source(settings, package, arch: str) -> tuple[str, str]:
@@ -117,6 +115,9 @@ def release_inputs(settings, arch: str, python_version: str) -> dict:
                          "index_name": package.index, kind: url})
     return {
         "schema": INPUTS_SCHEMA,
+        "stack": settings.service_stack,
+        "exclude_newer": settings.stack.exclude_newer,
+        "torch_cuda": settings.stack.torch_cuda,
         "packages": packages,
         "default_index": settings.index_url(DEFAULT_INDEX),
         "uv": settings.manifest.uv["version"],
@@ -173,6 +174,16 @@ def pyproject_text(inputs: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def upload_bound(inputs: dict) -> list[str]:
+    """uv's arguments bounding what the resolution may pick by upload time: the stack's
+    `exclude_newer`, except for the pins of other indexes (exact pins: download.pytorch.org and
+    flashinfer.ai give no upload time for many files, and uv drops a file without one under a bound).
+    Their dependencies from the default index stay bounded."""
+    exempt = sorted(p["name"] for p in inputs["packages"] if p["index_name"] not in (DEFAULT_INDEX, None))
+    return (["--exclude-newer", inputs["exclude_newer"]]
+            + [argument for name in exempt for argument in ("--exclude-newer-package", f"{name}=false")])
+
+
 def release_plan(settings, arch: str, python_version: str) -> ReleasePlan:
     inputs = release_inputs(settings, arch, python_version)
     pins = {p["name"]: p["version"] for p in inputs["packages"]}
@@ -184,7 +195,9 @@ def release_plan(settings, arch: str, python_version: str) -> ReleasePlan:
         files={"requirements.txt": requirements_text(inputs), "overrides.txt": overrides_text(inputs),
                "pyproject.toml": pyproject_text(inputs)},
         steps={p["name"]: p["step"] for p in inputs["packages"]},
-        expect={"packages": pins, "torch_cuda": cuda_of_local_label(pins["torch"]),
+        bound=upload_bound(inputs),
+        expect={"packages": pins, "torch_cuda": inputs["torch_cuda"],
+                "wheels": {p["name"]: p["wheel"].rsplit("/", 1)[-1] for p in inputs["packages"] if "wheel" in p},
                 "imports": list(IMPORT_CHECKS)},
     )
 

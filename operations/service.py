@@ -185,7 +185,7 @@ def ineffective_settings(settings: Settings) -> list[str]:
     warnings = []
     for rule in NO_EFFECT:
         try:
-            installed = settings.manifest.package(rule.package).version
+            installed = settings.package(rule.package).version
         except KeyError:
             continue
         if getattr(settings, rule.setting) and installed == rule.version and major not in rule.working_majors:
@@ -229,6 +229,8 @@ def launch_arguments(settings: Settings, speculation: bool = True) -> list[str]:
         args += ["--quantization", settings.service_quantization]
     if settings.service_kv_cache_dtype is not None:
         args += ["--kv-cache-dtype", settings.service_kv_cache_dtype]
+    if settings.service_trust_remote_code:
+        args.append("--trust-remote-code")
     if settings.service_enable_torch_symm_mem:
         args.append("--enable-torch-symm-mem")
     if settings.service_enable_flashinfer_allreduce_fusion:
@@ -314,7 +316,19 @@ def render_unit(settings: Settings, rel: Release, patchset: str | None,
         secrets_file=secrets_path(settings) if with_secrets else None,
         exec_start=exec_start(settings, rel, speculation),
         start_timeout_s=settings.service_start_timeout_s,
+        start_limit_burst=settings.service_start_limit_burst,
+        start_limit_interval_s=start_limit_interval_s(settings),
+        restart_sec=RESTART_SEC,
     )
+
+
+RESTART_SEC = 10  # the unit's RestartSec
+
+
+def start_limit_interval_s(settings: Settings) -> int:
+    """StartLimitIntervalSec: long enough to hold `start_limit_burst` starts that each load the model
+    for up to start_timeout_s, so a server that crashes while loading does trip the limit."""
+    return settings.service_start_limit_burst * (settings.service_start_timeout_s + RESTART_SEC)
 
 
 def sha256_text(text: str) -> str:

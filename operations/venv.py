@@ -187,7 +187,7 @@ def build_release(release: ReleasePlan):
                  f"{record.get('error', 'no error recorded')})", logger.warning)
     uv = settings.manifest.uv
     params = _params(settings, id=release.id, release_dir=release.dir, inputs=release.inputs,
-                     files=release.files, steps=release.steps, expect=release.expect,
+                     files=release.files, steps=release.steps, bound=release.bound, expect=release.expect,
                      check_script=CHECK.read_text(), uv=uv_binary(settings), uv_version=uv["version"],
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
                      python=state["python"]["executable"])

@@ -53,6 +53,23 @@ class Package:
 
 
 @dataclass(frozen=True)
+class Stack:
+    """One Python serving stack: its pinned packages in install order, the CUDA its torch is built
+    for (`torch.version.cuda`), and the upload-time bound of everything it resolves."""
+
+    name: str
+    packages: tuple[Package, ...]
+    torch_cuda: str
+    exclude_newer: str
+
+    def package(self, name: str) -> Package:
+        for package in self.packages:
+            if package.name == name:
+                return package
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The parsed manifest; `venv` and `service` (service defaults and profiles) are plain tables."""
 
@@ -62,15 +79,15 @@ class Manifest:
     gpu: dict
     uv: dict
     indexes: dict[str, str]
-    packages: tuple[Package, ...]
+    stacks: dict[str, Stack]
     venv: dict
     service: dict
 
-    def package(self, name: str) -> Package:
-        for package in self.packages:
-            if package.name == name:
-                return package
-        raise KeyError(name)
+    def all_packages(self) -> tuple[Package, ...]:
+        """Every package of every stack (a package pinned alike in two stacks once)."""
+        unique = {(package.name, package.version): package
+                  for stack in self.stacks.values() for package in stack.packages}
+        return tuple(unique.values())
 
 
 class _Reader:
@@ -189,11 +206,11 @@ def _major_minor(version: str) -> str:
 
 
 def _packages(reader: _Reader, indexes: dict[str, str]) -> tuple[Package, ...]:
-    packages = []
+    packages: list[Package] = []
     for number, table in enumerate(reader.get("packages", list, "an array of [[packages]]")):
         if not isinstance(table, dict):
             raise reader.fail(f"packages[{number}]", "a [[packages]] table", table)
-        item = _Reader(reader.path, table, f"packages[{number}].")
+        item = _Reader(reader.path, table, reader.key(f"packages[{number}]") + ".")
         item.only({"name", "version", "step", "index", "wheel"})
         index = table.get("index")
         if index is not None and index not in indexes:
@@ -212,12 +229,38 @@ def _packages(reader: _Reader, indexes: dict[str, str]) -> tuple[Package, ...]:
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise reader.fail("packages", "each package once", duplicates)
+    return tuple(sorted(packages, key=lambda package: package.step))
+
+
+# An RFC 3339 UTC instant, as uv's --exclude-newer takes it.
+_INSTANT = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+
+
+def _stack(reader: _Reader, name: str, indexes: dict[str, str]) -> Stack:
+    reader.only({"torch_cuda", "exclude_newer", "packages"})
+    packages = _packages(reader, indexes)
+    torch_cuda = reader.get("torch_cuda", str, "the CUDA version torch.version.cuda reports, like '13.0'")
+    if not re.fullmatch(r"\d+\.\d+", torch_cuda):
+        raise reader.fail("torch_cuda", "the CUDA version torch.version.cuda reports, like '13.0'", torch_cuda)
+    exclude_newer = reader.get("exclude_newer", str, "an RFC 3339 UTC time like '2026-02-24T00:00:00Z'")
+    if not _INSTANT.fullmatch(exclude_newer):
+        raise reader.fail("exclude_newer", "an RFC 3339 UTC time like '2026-02-24T00:00:00Z'", exclude_newer)
     torch = next((package for package in packages if package.name == "torch"), None)
     if torch is None:
-        raise reader.fail("packages", "a torch entry (the venv step installs its CUDA build, forced)", names)
-    if not re.fullmatch(r"cu\d\d+", Version(torch.version).local or ""):
-        raise reader.fail("packages", "torch's version with its CUDA local label, like '2.9.1+cu130'", torch.version)
-    return tuple(sorted(packages, key=lambda package: package.step))
+        raise reader.fail("packages", "a torch entry (the venv step checks its CUDA build)",
+                          [package.name for package in packages])
+    label = Version(torch.version).local
+    if label is not None and label != "cu" + torch_cuda.replace(".", ""):
+        raise reader.fail("packages", f"torch's local label to name the stack's torch_cuda {torch_cuda} "
+                          f"(+cu{torch_cuda.replace('.', '')}) or no label", torch.version)
+    return Stack(name=name, packages=packages, torch_cuda=torch_cuda, exclude_newer=exclude_newer)
+
+
+def _stacks(reader: _Reader, indexes: dict[str, str]) -> dict[str, Stack]:
+    table = reader.sub("stacks")
+    if not table.table:
+        raise reader.fail("stacks", "at least one stack table like [stacks.\"sglang-0.5.9\"]")
+    return {name: _stack(table.sub(name), name, indexes) for name in table.table}
 
 
 def parse_manifest(path: Path, data: dict) -> Manifest:
@@ -227,7 +270,7 @@ def parse_manifest(path: Path, data: dict) -> Manifest:
     are read as plain tables here: servestack/settings.py checks them against the host-data keys they
     are the defaults of (`check_manifest_defaults`)."""
     reader = _Reader(path, data)
-    reader.only({"schema", "cuda", "gpu", "uv", "indexes", "packages", "venv", "service"})
+    reader.only({"schema", "cuda", "gpu", "uv", "indexes", "stacks", "venv", "service"})
     if reader.get("schema", int, "the schema number 1") != 1:
         raise reader.fail("schema", "the schema number 1", data["schema"])
     cuda, runfiles = _cuda(reader)
@@ -245,7 +288,7 @@ def parse_manifest(path: Path, data: dict) -> Manifest:
              "count": gpu.positive_int("count")},
         uv={"version": uv.version("version"), "index_url": uv.url("index_url")},
         indexes=indexes,
-        packages=_packages(reader, indexes),
+        stacks=_stacks(reader, indexes),
         venv=reader.get("venv", dict, "a table"),
         service=reader.get("service", dict, "a table"),
     )

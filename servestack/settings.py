@@ -42,7 +42,7 @@ from packaging.version import InvalidVersion, Version
 
 from servestack.errors import ConfigError, ManifestError
 from servestack.hostrun import real_host
-from servestack.manifest import DEFAULT_MANIFEST, Manifest, Package, Runfile, load_manifest
+from servestack.manifest import DEFAULT_MANIFEST, Manifest, Package, Runfile, Stack, load_manifest
 
 # Host-data keys starting with these belong to servestack: an unknown one is an error, not ignored.
 OWN_PREFIXES = ("servestack_", "cuda_", "gpu_", "uv_", "venv_", "service_", "index_",
@@ -283,8 +283,12 @@ _SERVICE_KEYS = {  # name: (checker, meaning); defaults are the manifest's [serv
     "port": (integer(1, 65535), "--port"),
     "start_timeout_s": (integer(1), "systemd TimeoutStartSec"),
     "health_timeout_s": (integer(1), "seconds a restarted server has to answer /health before it is rolled back"),
+    "start_limit_burst": (integer(1, 100), "starts of the unit (systemd's automatic restarts) within "
+                          "burst x (start_timeout_s + RestartSec) seconds before systemd gives up on a crashing "
+                          "server (StartLimitBurst; servestack's own restarts reset the count)"),
 }
 _PROFILE_KEYS = {  # field: (checker, meaning, required); defaults are the host's profile's
+    "stack": (word, "the Python stack the release is built from: a name of the manifest's [stacks]", True),
     "model_path": (word, "--model-path: a local path or a hub id", True),
     "model_architecture": (word, "the model's architecture (its config.json 'architectures'): decides whether "
                            "EAGLE/NEXTN draft from the model itself", True),
@@ -298,6 +302,8 @@ _PROFILE_KEYS = {  # field: (checker, meaning, required); defaults are the host'
     "attention_backend": (word, "--attention-backend", True),
     "quantization": (optional(word), "--quantization (none: not passed, sglang reads the checkpoint's)", False),
     "kv_cache_dtype": (optional(word), "--kv-cache-dtype (none: not passed)", False),
+    "trust_remote_code": (boolean, "--trust-remote-code: the model repository's own code may run (Kimi-K2.5's "
+                          "tokenizer and processor are code of its repository)", True),
     "enable_torch_symm_mem": (boolean, "--enable-torch-symm-mem (SM120 needs patch 0001)", True),
     "enable_flashinfer_allreduce_fusion": (boolean, "--enable-flashinfer-allreduce-fusion (no effect on SM120: "
                                            "warned)", True),
@@ -306,7 +312,7 @@ _PROFILE_KEYS = {  # field: (checker, meaning, required); defaults are the host'
     "env": (env_map, "extra environment for the service (e.g. NCCL_P2P_DISABLE); a host's is added to the "
             "profile's, its value winning", True),
     "patches": (string_list, "servestack patches the profile needs: each must be in the patch set for the "
-                "manifest's sglang", True),
+                "sglang of its stack", True),
 }
 # A host's value of these is added to its profile's instead of replacing it.
 _PROFILE_MERGES = {"extra_args": lambda profile, host: tuple(profile) + tuple(host),
@@ -478,7 +484,7 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
              for name in manifest.indexes]
     keys += [Key(_wheel_key(package.name), optional(url), _literal(None),
                  f"URL of the {package.name} wheel (the host's architecture's manifest URL by default)")
-             for package in manifest.packages if package.wheel]
+             for package in manifest.all_packages() if package.wheel]
     keys += [Key(f"venv_{name}", check, _from("venv", name), meaning)
              for name, (check, meaning) in _VENV_KEYS.items()]
     keys += [Key(f"service_{name}", check, _from("service", name), meaning)
@@ -539,8 +545,17 @@ class Settings:
         return self.values[_wheel_key(package.name)] or package.wheel[arch]
 
     @property
+    def stack(self) -> Stack:
+        """The Python stack of the host's service profile (service_stack)."""
+        return self.manifest.stacks[self.service_stack]
+
+    @property
     def packages(self) -> tuple[Package, ...]:
-        return self.manifest.packages
+        return self.stack.packages
+
+    def package(self, name: str) -> Package:
+        """The host's stack's pin of package `name` (KeyError: the stack has none)."""
+        return self.stack.package(name)
 
 
 def _unknown(name: str, known: dict[str, Key]) -> str:
@@ -723,18 +738,30 @@ def _draft_model_rule(fields: dict, manifest: Manifest) -> list[tuple[str, str]]
     return []
 
 
+def _stack_rule(fields: dict, manifest: Manifest) -> list[tuple[str, str]]:
+    """The stack a profile names is one of the manifest's."""
+    if fields["stack"] in manifest.stacks:
+        return []
+    close = difflib.get_close_matches(fields["stack"], manifest.stacks, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return [("stack", f"expected a stack of {manifest.path} ({', '.join(sorted(manifest.stacks))}), "
+             f"got {fields['stack']!r}{hint}")]
+
+
 def _patches_rule(fields: dict, manifest: Manifest) -> list[tuple[str, str]]:
-    """The patches a profile needs are in servestack's set for the manifest's sglang."""
+    """The patches a profile needs are in servestack's set for its stack's sglang."""
+    if fields["stack"] not in manifest.stacks:
+        return []  # _stack_rule says so
     try:
-        version = manifest.package(PATCHED_PACKAGE).version
+        version = manifest.stacks[fields["stack"]].package(PATCHED_PACKAGE).version
     except KeyError:
-        version = None  # the manifest installs no sglang: no patch applies
+        version = None  # the stack installs no sglang: no patch applies
     available = patch_names(version) if version else ()
     missing = [name for name in fields["patches"] if name not in available]
     if not missing:
         return []
     offered = ", ".join(available) if available else "none"
-    what = f"{PATCHED_PACKAGE} {version}" if version else "an sglang the manifest does not install"
+    what = f"{PATCHED_PACKAGE} {version}" if version else f"stack {fields['stack']!r}, which installs no sglang"
     return [("patches", f"expected patches of servestack's set for {what} ({offered}), "
              f"got {', '.join(repr(name) for name in missing)}")]
 
@@ -742,7 +769,8 @@ def _patches_rule(fields: dict, manifest: Manifest) -> list[tuple[str, str]]:
 _PROFILE_RULES = (
     (("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"), _draft_tokens_rule),
     (("speculative_algorithm", "draft_model_path", "model_architecture"), _draft_model_rule),
-    (("patches",), _patches_rule),
+    (("stack",), _stack_rule),
+    (("stack", "patches"), _patches_rule),
 )
 
 

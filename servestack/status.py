@@ -51,7 +51,7 @@ from pyinfra.api import FactBase
 from facts.batch import FactRequest
 from facts.framing import Section
 from facts.host import HostLock, LockState
-from facts.service import ServiceRecord, parse_properties
+from facts.service import GAVE_UP, ServiceRecord, gave_up_text, parse_properties
 from facts.venv import MlEnvState
 from facts.verify import VerificationRecord
 from operations.releases import NoRollbackTarget, rollback_target
@@ -390,7 +390,9 @@ def service_cell(status: dict) -> str:
         state = f"{service['active']} ({service['sub']})"
         if service["since"]:
             state += f" since {_at(service['since'], service['since_age_s'])}"
-        if service["active"] == "failed" and service["result"]:
+        if service["result"] == GAVE_UP:
+            state += f"; {gave_up_text(service['unit'])}"
+        elif service["active"] == "failed" and service["result"]:
             state += f", result {service['result']}"
     health = (f"/health: {service['health']}" if service["health"] is not None
               else f"/health: {service['health_error']}")

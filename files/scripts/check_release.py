@@ -1,7 +1,7 @@
 """Checks a freshly built release must pass before it may become active (runs inside its python).
 
 argv[1] is a JSON object: {"packages": {name: version}, "lock": {name: version},
-"torch_cuda": "13.0", "imports": [module, ...]}. Prints one "PROBLEM <text>" line per failed
+"wheels": {name: file name}, "torch_cuda": "13.0", "imports": [module, ...]}. Prints one "PROBLEM <text>" line per failed
 check and exits 1 if there is any; prints "OK" and exits 0 otherwise.
 """
 
@@ -9,6 +9,7 @@ import importlib
 import importlib.metadata
 import json
 import sys
+from urllib.parse import unquote
 
 
 def installed(name):
@@ -26,6 +27,21 @@ def version_problems(expected, what):
             problems.append("%s is not installed (%s %s)" % (name, what, version))
         elif found != version:
             problems.append("%s is %s, %s %s" % (name, found, what, version))
+    return problems
+
+
+def wheel_problems(wheels):
+    """Each package installed from a direct wheel URL came from that file (direct_url.json names it):
+    a file named +cu130 whose METADATA has no label is told apart from PyPI's build this way."""
+    problems = []
+    for name, file_name in sorted(wheels.items()):
+        try:
+            recorded = json.loads(importlib.metadata.distribution(name).read_text("direct_url.json") or "{}")
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            recorded = {}
+        url = recorded.get("url", "")
+        if unquote(url.rsplit("/", 1)[-1]) != file_name:
+            problems.append("%s was not installed from %s (direct_url.json: %s)" % (name, file_name, url or "none"))
     return problems
 
 
@@ -56,6 +72,7 @@ def main(argv):
     expect = json.loads(argv[1])
     problems = version_problems(expect["packages"], "expected")
     problems += version_problems(expect.get("lock", {}), "the lock has")
+    problems += wheel_problems(expect.get("wheels", {}))
     problems += torch_problems(expect["packages"].get("torch"), expect["torch_cuda"])
     problems += import_problems(expect["imports"])
     for problem in problems:

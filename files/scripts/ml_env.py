@@ -383,7 +383,7 @@ def build(params, log):
     run([uv, "venv", "--quiet", "--python", params["python"], venv], log, env, what="uv venv")
     run([uv, "pip", "compile", "pyproject.toml", "--quiet", "--python", python, "--overrides",
          "overrides.txt", "--generate-hashes", "--emit-index-annotation", "--no-header",
-         "--index-strategy", "first-index", "-o", "lock.txt"], log, env, cwd=directory,
+         "--index-strategy", "first-index"] + params["bound"] + ["-o", "lock.txt"], log, env, cwd=directory,
         what="resolving the lock (uv pip compile)", retry_crash=True)
     with open(os.path.join(directory, "lock.txt")) as handle:
         entries = parse_lock(handle.read())

@@ -36,7 +36,7 @@ def _torch_on_gpus(settings: Settings, readings) -> dict:
 def package_version(settings: Settings, readings, name: str) -> str:
     """The active release holds the manifest's exact version, local label included."""
     found_report = _python_report(settings, readings)
-    expected = settings.manifest.package(name).version
+    expected = settings.package(name).version
     found = found_report["packages"].get(name)
     where = found_report.get("prefix") or settings.venv_path
     if found is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from facts.service import GAVE_UP, gave_up_text
 from facts.venv import release_of
 from operations.service import GENERATE_REQUEST, release, secrets_path
 from operations.service import service_environment as pinned_environment
@@ -37,6 +38,8 @@ def service_active(settings: Settings, readings) -> str:
         raise Fail(f"{unit} is not installed {readings.on} (LoadState={props.get('LoadState')})")
     state = (f"UnitFileState={props.get('UnitFileState')}, "
              f"ActiveState={props.get('ActiveState')}/{props.get('SubState')}")
+    if props.get("Result") == GAVE_UP:
+        raise Fail(f"{gave_up_text(unit)} ({readings.on}; {state})")
     if props.get("UnitFileState") != "enabled" or props.get("ActiveState") != "active":
         raise Fail(f"{unit} {readings.on} must be enabled and active: {state}")
     return f"{unit} enabled and active (MainPID {props.get('MainPID')})"

@@ -16,7 +16,7 @@ import pytest
 
 from servestack.sandbox.artifacts import ArtifactControl, ArtifactServer, Fault, parse_range
 from servestack.sandbox.standins.index import write_simple_index
-from servestack.sandbox.standins.wheels import build_wheel, standin_wheel
+from servestack.sandbox.standins.wheels import build_wheel, metadata_only_wheel, standin_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 PAYLOAD = bytes(range(256)) * 1200  # 307200 bytes
@@ -167,8 +167,14 @@ def test_control_endpoint_over_http(server):
 
 
 def test_uv_installs_through_the_server_once_per_file(server, root, tmp_path):
+    """torchvision +cu130 and everything its stand-in requires (torch, then torch's nvidia-cudnn-cu13
+    and triton, and numpy and pillow as metadata-only wheels) come through the server, each page and
+    each file fetched once."""
     wheels = [build_wheel(standin_wheel(name, version), tmp_path / "wheels")
-              for name, version in (("torch", "2.9.1+cu130"), ("torchvision", "0.24.1+cu130"))]
+              for name, version in (("torch", "2.9.1+cu130"), ("torchvision", "0.24.1+cu130"),
+                                    ("nvidia-cudnn-cu13", "9.13.0.50"), ("triton", "3.5.1"))]
+    wheels += [build_wheel(metadata_only_wheel(name, version), tmp_path / "wheels")
+               for name, version in (("numpy", "2.2.6"), ("pillow", "11.3.0"))]
     write_simple_index(root / "whl" / "cu130", wheels)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("UV_", "PIP_"))}
     env.update(UV_CACHE_DIR=str(tmp_path / "uv-cache"), UV_NO_CONFIG="1", UV_PYTHON_DOWNLOADS="never")
@@ -177,8 +183,12 @@ def test_uv_installs_through_the_server_once_per_file(server, root, tmp_path):
                              "--index-url", f"{server.url}/whl/cu130", "torchvision==0.24.1+cu130"],
                             env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    whole = {f"/whl/cu130/{wheel.name.split('-')[0]}/{wheel.name}": 1 for wheel in wheels}
-    assert server.faults.counts(status=200) == {"/whl/cu130/torch/": 1, "/whl/cu130/torchvision/": 1, **whole}
+    projects = {wheel.name: wheel.name.split("-")[0].replace("_", "-") for wheel in wheels}
+    whole = {f"/whl/cu130/{project}/{name}": 1 for name, project in projects.items()}
+    pages = {f"/whl/cu130/{project}/": 1 for project in projects.values()}
+    assert sorted(pages) == ["/whl/cu130/numpy/", "/whl/cu130/nvidia-cudnn-cu13/", "/whl/cu130/pillow/",
+                             "/whl/cu130/torch/", "/whl/cu130/torchvision/", "/whl/cu130/triton/"]
+    assert server.faults.counts(status=200) == {**pages, **whole}
     ranged = [record for record in server.faults.requests() if record.status == 206]
     assert {record.path for record in ranged} <= set(whole)  # uv reads wheel metadata with a Range first
 

@@ -59,10 +59,12 @@ def manifest_without(tmp_path: Path, section: str, key: str) -> Path:
 
 
 @pytest.mark.parametrize("old, new, expected", [
-    ('name = "torch"\nversion = "2.9.1+cu130"', 'name = "torch"\nversion = "2.9.1"',
-     "key 'packages': expected torch's version with its CUDA local label, like '2.9.1+cu130', got '2.9.1'"),
-    ('name = "torch"\n', 'name = "torchx"\n', "key 'packages': expected a torch entry (the venv step installs its "
-                                              "CUDA build, forced), got ['torchx', 'torchvision', "),
+    ('name = "torch"\nversion = "2.9.1+cu130"', 'name = "torch"\nversion = "2.9.1+cu128"',
+     "key 'stacks.sglang-0.5.9.packages': expected torch's local label to name the stack's torch_cuda 13.0 "
+     "(+cu130) or no label, got '2.9.1+cu128'"),
+    ('name = "torch"\nversion = "2.9.1+cu130"', 'name = "torchx"\nversion = "2.9.1+cu130"',
+     "key 'stacks.sglang-0.5.9.packages': expected a torch entry (the venv step checks its CUDA build), "
+     "got ['torchx', 'torchvision', "),
 ])
 def test_a_manifest_whose_torch_the_venv_step_cannot_force_is_refused_before_connecting(tmp_path, old, new, expected):
     """Before, these passed validation and failed when the venv step planned a release on a connected host."""

@@ -29,7 +29,11 @@ from servestack.settings import MANAGED_FLAGS, host_keys, settings_from_data
 
 MANIFEST = load_manifest()
 PROFILES = sorted(MANIFEST.service["profiles"])
-SGLANG = MANIFEST.package("sglang").version
+# Each profile is checked against the sglang of its own stack.
+PROFILE_SGLANG = {name: MANIFEST.stacks[profile["stack"]].package("sglang").version
+                  for name, profile in MANIFEST.service["profiles"].items()}
+SGLANG = PROFILE_SGLANG[MANIFEST.service["profile"]]
+GLM_SGLANG = PROFILE_SGLANG["glm-5-mtp"]
 SERVER_ARGS = "sglang/srt/server_args.py"
 
 
@@ -48,14 +52,14 @@ class Unresolved(Exception):
     pass
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=4)
 def server_args_source(version: str = SGLANG) -> str:
     from servestack.sandbox.standins.pypi import fetch_wheel
     with zipfile.ZipFile(fetch_wheel("sglang", version)) as wheel:
         return wheel.read(SERVER_ARGS).decode()
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=4)
 def server_args_tree(version: str = SGLANG) -> ast.Module:
     return ast.parse(server_args_source(version), SERVER_ARGS)
 
@@ -112,7 +116,7 @@ def _action_nargs(tree: ast.Module, name: str):
 TYPES = {"int": int, "float": float}
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=4)
 def real_parser(version: str = SGLANG) -> tuple[Parser, frozenset[str]]:
     """The parser `sglang.launch_server` builds, from the wheel's declarations, and the option strings
     whose choices could not be read (their values go unchecked)."""
@@ -151,9 +155,63 @@ def real_parser(version: str = SGLANG) -> tuple[Parser, frozenset[str]]:
     return parser, frozenset(unresolved)
 
 
-def parse_real(argv: list[str]) -> argparse.Namespace:
-    parser, _unresolved = real_parser()
-    return parser.parse_args(argv)
+def replayable(version: str) -> bool:
+    """Whether `version` declares its arguments as add_argument calls in add_cli_args (0.5.9); from
+    0.5.14 most are dataclass field metadata, read by SGLang's own code imported in a venv."""
+    calls = [node for node in ast.walk(_function(server_args_tree(version), "add_cli_args"))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"]
+    return len(calls) > 100
+
+
+# sglang.srt.server_args of 0.5.14 imports these beyond what `import sglang` needs (found by importing it
+# in an empty venv until it succeeded, torch, torchvision and triton being the sandbox's stand-ins).
+SERVER_ARGS_DEPS = ("pyzmq", "openai", "partial-json-parser", "dill", "sentencepiece")
+PARSE = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+parser.error = lambda message: (print(json.dumps({"error": message})), sys.exit(0))
+print(json.dumps({"parsed": vars(parser.parse_args(json.loads(sys.argv[1])))}, default=str))
+"""
+
+
+@lru_cache(maxsize=4)
+def sglang_python(version: str) -> Path:
+    """A venv holding the real sglang `version` on the sandbox's stand-ins of its stack (no GPU)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from servestack.sandbox.standins.pypi import fetch_wheels
+    from servestack.sandbox.standins.sglang import import_deps
+    from servestack.sandbox.standins.wheels import build_wheel, standin_wheel
+    stack = next(stack for stack in MANIFEST.stacks.values() if stack.package("sglang").version == version)
+    work = Path(tempfile.mkdtemp(prefix=f"sglang-{version}-"))
+    uv = shutil.which("uv") or pytest.fail("uv is not on PATH: run the tests through ./servestack.sh test")
+    standins = [build_wheel(standin_wheel(name, stack.package(name).version), work / "standins")
+                for name in ("torch", "torchvision")] + [build_wheel(standin_wheel("triton", "3.6.0"), work / "standins")]
+    real = fetch_wheels([f"sglang=={version}"]) + fetch_wheels(
+        [*(name for name in import_deps(version) if name != "transformers"),
+         f"transformers=={stack.package('transformers').version}", "starlette", *SERVER_ARGS_DEPS], deps=True)
+    subprocess.run([uv, "venv", "--quiet", "--python", "python3", str(work / "venv")], check=True)
+    subprocess.run([uv, "pip", "install", "--quiet", "--no-deps", "--offline", "--python", str(work / "venv/bin/python"),
+                    *map(str, standins + real)], check=True)
+    return work / "venv" / "bin" / "python"
+
+
+def parse_real(argv: list[str], version: str = SGLANG) -> argparse.Namespace:
+    if replayable(version):
+        parser, _unresolved = real_parser(version)
+        return parser.parse_args(argv)
+    import json
+    import subprocess
+    out = subprocess.run([str(sglang_python(version)), "-c", PARSE, json.dumps(argv)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-3000:]
+    said = json.loads(out.stdout.strip().splitlines()[-1])
+    if "error" in said:
+        raise Refused(said["error"])
+    return argparse.Namespace(**said["parsed"])
 
 
 def profile_settings(profile: str, **data):
@@ -197,7 +255,7 @@ def test_the_replayed_parser_refuses_a_made_up_flag_a_bad_choice_and_an_ambiguou
 ])
 def test_a_profile_command_line_with_a_made_up_flag_or_choice_fails_the_check(data, refusal):
     with pytest.raises(Refused, match=re.escape(refusal)):
-        parse_real(service.launch_arguments(profile_settings("glm-5-mtp", **data)))
+        parse_real(service.launch_arguments(profile_settings("glm-5-mtp", **data)), GLM_SGLANG)
 
 
 # -- every profile, speculation on and off ---------------------------------------------------------
@@ -208,7 +266,7 @@ def _expected(s, speculation: bool) -> dict:
         "model_path": s.service_model_path, "tensor_parallel_size": s.service_tp,
         "attention_backend": s.service_attention_backend,
         "quantization": s.service_quantization, "kv_cache_dtype": s.service_kv_cache_dtype,
-        "enable_torch_symm_mem": s.service_enable_torch_symm_mem,
+        "enable_torch_symm_mem": s.service_enable_torch_symm_mem, "trust_remote_code": s.service_trust_remote_code,
         "enable_flashinfer_allreduce_fusion": s.service_enable_flashinfer_allreduce_fusion,
         "host": s.service_host, "port": s.service_port,
         "speculative_algorithm": None, "speculative_draft_model_path": None,
@@ -228,13 +286,15 @@ def _expected(s, speculation: bool) -> dict:
 def test_every_profile_command_line_parses_with_the_pinned_sglang(profile, speculation):
     s = profile_settings(profile)
     argv = service.launch_arguments(s, speculation=speculation)
-    parsed = vars(parse_real(argv))
+    parsed = vars(parse_real(argv, PROFILE_SGLANG[profile]))
     expected = _expected(s, speculation)
+    if "tensor_parallel_size" not in parsed:   # 0.5.14 names --tp's dest tp_size
+        expected["tp_size"] = expected.pop("tensor_parallel_size")
     assert {dest: parsed[dest] for dest in expected} == expected
     for flag in s.service_extra_args:
         if flag.startswith("--"):
             assert parsed[flag[2:].replace("-", "_")] is not None
-    _parser, unresolved = real_parser()
+    unresolved = real_parser(PROFILE_SGLANG[profile])[1] if replayable(PROFILE_SGLANG[profile]) else frozenset()
     used = {word for word in argv if word.startswith("--")}
     assert not used & unresolved, f"choices of {sorted(used & unresolved)} could not be read from the wheel"
     assert ("--speculative-algorithm" in argv) == (speculation and service.speculates(s))
@@ -255,7 +315,7 @@ def test_the_two_reference_deployments_as_profiles():
         "--model-path nvidia/Kimi-K2.5-NVFP4 --tp 8 --speculative-algorithm EAGLE3 "
         "--speculative-draft-model-path lightseekorg/kimi-k2.5-eagle3 --speculative-num-steps 3 "
         "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --attention-backend flashinfer "
-        "--enable-torch-symm-mem --host 0.0.0.0 --port 30000")
+        "--trust-remote-code --enable-torch-symm-mem --host 0.0.0.0 --port 30000")
     glm = profile_settings("glm-5-mtp")
     assert " ".join(service.launch_arguments(glm)) == (
         "--model-path festr2/GLM-5-NVFP4-MTP --tp 8 --speculative-algorithm NEXTN --speculative-num-steps 3 "
@@ -304,7 +364,7 @@ def test_allreduce_fusion_is_off_in_every_profile_and_warned_where_a_host_turns_
     for profile in PROFILES:
         assert profile_settings(profile).service_enable_flashinfer_allreduce_fusion is False
         assert service.ineffective_settings(profile_settings(profile)) == []
-    fused = profile_settings("glm-5-mtp", service_enable_flashinfer_allreduce_fusion=True)
+    fused = profile_settings("kimi-k2.5-eagle3", service_enable_flashinfer_allreduce_fusion=True)   # sglang 0.5.9
     warnings = service.ineffective_settings(fused)
     assert len(warnings) == 1 and "has no effect on SM120 GPUs with sglang 0.5.9" in warnings[0]
 
@@ -321,32 +381,54 @@ def _list_literals(function: ast.FunctionDef) -> list[list[str]]:
             and node.elts and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)]
 
 
-def test_nextn_is_renamed_eagle_before_speculation_is_set_up():
-    handle = _function(server_args_tree(), "_handle_speculative_decoding")
-    renames = [node for node in ast.walk(handle) if isinstance(node, ast.If)
-               and ast.unparse(node.test) == "self.speculative_algorithm == 'NEXTN'"]
-    assert len(renames) == 1 and ast.unparse(renames[0].body[0]) == "self.speculative_algorithm = 'EAGLE'"
+STACK_SGLANGS = sorted(set(PROFILE_SGLANG.values()))
 
 
-def test_the_self_drafting_architectures_are_the_pinned_sglangs():
-    """settings.SELF_DRAFTING_ARCHITECTURES + OWN_OR_SEPARATE_DRAFT: the architectures whose draft
-    defaults to the model itself; the second may also take a separate draft without a warning."""
-    lists = _list_literals(_function(server_args_tree(), "_handle_speculative_decoding"))
-    drafting = [items for items in lists if "GlmMoeDsaForCausalLM" in items]
-    assert drafting == [list(settings_module.SELF_DRAFTING_ARCHITECTURES + settings_module.OWN_OR_SEPARATE_DRAFT)]
+SPECULATIVE_HOOK = "sglang/srt/arg_groups/speculative_hook.py"  # where 0.5.14 moved the speculative set-up
+
+
+def speculative_setup(version: str) -> ast.AST:
+    """The code that sets up speculative decoding: ServerArgs._handle_speculative_decoding (0.5.9),
+    or the module it moved to (0.5.14)."""
+    found = [node for node in ast.walk(server_args_tree(version)) if isinstance(node, ast.FunctionDef)
+             and node.name == "_handle_speculative_decoding"]
+    if found:
+        return found[0]
+    from servestack.sandbox.standins.pypi import fetch_wheel
+    with zipfile.ZipFile(fetch_wheel("sglang", version)) as wheel:
+        return ast.parse(wheel.read(SPECULATIVE_HOOK).decode(), SPECULATIVE_HOOK)
+
+
+@pytest.mark.parametrize("version", STACK_SGLANGS)
+def test_nextn_is_renamed_eagle_before_speculation_is_set_up(version):
+    source = ast.unparse(speculative_setup(version))
+    assert (re.search(r"if self\.speculative_algorithm == 'NEXTN':\s+self\.speculative_algorithm = 'EAGLE'", source)
+            or "if speculative_algorithm == 'NEXTN' or speculative_algorithm == 'EAGLE':" in source)
+
+
+@pytest.mark.parametrize("version", STACK_SGLANGS)
+def test_the_self_drafting_architectures_are_the_pinned_sglangs(version):
+    """settings.SELF_DRAFTING_ARCHITECTURES + OWN_OR_SEPARATE_DRAFT: architectures whose draft defaults
+    to the model itself in every pinned sglang; the second may also take a separate draft without a
+    warning. A later sglang may add architectures (0.5.14: DeepseekV4, HYV3): settings names those
+    every stack has."""
+    setup = speculative_setup(version)
+    lists = _list_literals(setup)
+    ours = set(settings_module.SELF_DRAFTING_ARCHITECTURES + settings_module.OWN_OR_SEPARATE_DRAFT)
+    assert any(ours <= set(items) for items in lists if "GlmMoeDsaForCausalLM" in items)
     assert list(settings_module.OWN_OR_SEPARATE_DRAFT) in lists
-    source = ast.unparse(_function(server_args_tree(), "_handle_speculative_decoding"))
-    assert "self.speculative_draft_model_path = self.model_path" in source
+    source = ast.unparse(setup)
+    assert re.search(r"(self|server_args)\.speculative_draft_model_path = (self|server_args)\.model_path", source)
     assert "DeepSeek MTP does not require setting speculative_draft_model_path." in source
 
 
 def test_glm_5_gets_the_nsa_backend_when_none_is_set_and_bf16_kv_is_valid_for_it():
-    adjust = ast.unparse(_function(server_args_tree(), "_handle_model_specific_adjustments"))
+    adjust = ast.unparse(_function(server_args_tree(SGLANG), "_handle_model_specific_adjustments"))
     assert "'GlmMoeDsaForCausalLM'" in adjust
     assert re.search(r"if self\.is_attention_backend_not_set\(\):\s+self\.attention_backend = 'nsa'", adjust)
-    kv = ast.unparse(_function(server_args_tree(), "_set_default_nsa_kv_cache_dtype"))
+    kv = ast.unparse(_function(server_args_tree(SGLANG), "_set_default_nsa_kv_cache_dtype"))
     assert re.search(r"if self\.kv_cache_dtype == 'bf16':\s+self\.kv_cache_dtype = 'bfloat16'", kv)
-    assert "modelopt_fp4" in _module_literals(server_args_tree())["QUANTIZATION_CHOICES"]
+    assert "modelopt_fp4" in _module_literals(server_args_tree(SGLANG))["QUANTIZATION_CHOICES"]
 
 
 def test_the_profile_algorithms_are_sglangs_choices():
@@ -447,7 +529,7 @@ GLM = 'service.profiles."glm-5-mtp"'
                          'model_architecture = "GlmMoeDsaForCausalLM"\ndraft_model_path = "org/draft"\n'),
      f"key '{GLM}.draft_model_path': expected none: with speculative_algorithm NEXTN, GlmMoeDsaForCausalLM drafts"),
     (lambda t: t.replace('patches = []', 'patches = ["0002-kimi"]'),
-     f"key '{GLM}.patches': expected patches of servestack's set for sglang 0.5.9"),
+     f"key '{GLM}.patches': expected patches of servestack's set for sglang 0.5.14"),
     (lambda t: t.replace('\n[service.profiles."glm-5-mtp"]', '\n[service.profiles."glm-5-mtp"]\nport = 1'),
      f"key '{GLM}.port': expected one of the known keys"),
 ])

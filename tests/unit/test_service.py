@@ -52,8 +52,19 @@ def test_launch_arguments_come_from_the_manifest_defaults():
         "--model-path", "nvidia/Kimi-K2.5-NVFP4", "--tp", "8",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "lightseekorg/kimi-k2.5-eagle3",
         "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-        "--attention-backend", "flashinfer", "--enable-torch-symm-mem", "--host", "0.0.0.0", "--port", "30000",
+        "--attention-backend", "flashinfer", "--trust-remote-code", "--enable-torch-symm-mem",
+        "--host", "0.0.0.0", "--port", "30000",
     ]
+
+
+def test_the_unit_gives_up_on_a_server_that_keeps_crashing_while_it_loads():
+    text = service.render_unit(settings(), service.release(settings(), "r-0123456789ab"), None)
+    unit_section = text.split("[Service]")[0]
+    # 3 starts, each up to start_timeout_s (1800) + RestartSec (10): a crash while loading trips it
+    assert "StartLimitIntervalSec=5430\n" in unit_section and "StartLimitBurst=3\n" in unit_section
+    assert "RestartSec=10\n" in text and "Restart=on-failure\n" in text
+    bigger = settings(service_start_limit_burst=5, service_start_timeout_s=600)
+    assert "StartLimitIntervalSec=3050\n" in service.render_unit(bigger, service.release(bigger, "r-0123456789ab"), None)
 
 
 def test_host_data_changes_flags_and_appends_extra_arguments():

@@ -39,9 +39,18 @@ def test_the_shipped_manifest_holds_every_pin():
     assert manifest.cuda["nvcc_version"] == "13.0.88"
     assert manifest.cuda["min_driver"] == "580.82.07"
     assert manifest.cuda["keep"] == ["12.8"]
-    assert manifest.package("torch").version == "2.9.1+cu130"
-    assert manifest.package("flashinfer-jit-cache").index == "flashinfer"
-    assert [package.step for package in manifest.packages] == sorted(p.step for p in manifest.packages)
+    reference, current = manifest.stacks["sglang-0.5.9"], manifest.stacks["sglang-0.5.14"]
+    assert reference.package("torch").version == "2.9.1+cu130"
+    assert reference.package("flashinfer-jit-cache").index == "flashinfer"
+    assert reference.package("nvidia-cudnn-cu13").version == "9.16.0.29"
+    assert (current.package("torch").version, current.package("transformers").version) == ("2.11.0", "5.8.1")
+    assert (reference.torch_cuda, current.torch_cuda) == ("13.0", "13.0")
+    for stack in (reference, current):
+        assert [package.step for package in stack.packages] == sorted(p.step for p in stack.packages)
+
+
+def REF(data):
+    return data["stacks"]["sglang-0.5.9"]
 
 
 @pytest.mark.parametrize("edit, expected", [
@@ -58,9 +67,17 @@ def test_the_shipped_manifest_holds_every_pin():
     (lambda d: d["cuda"].pop("min_driver"), "'cuda.min_driver': expected a version string like '13.0.1' (missing)"),
     (lambda d: d["cuda"].update(colour="blue"), "'cuda.colour': expected one of the known keys"),
     (lambda d: d.update(extra={}), "'extra': expected one of the known keys"),
-    (lambda d: d["packages"][0].update(version="2.9.1+cu 130"), "'packages[0].version': expected a PEP 440 version"),
-    (lambda d: d["packages"][0].update(index="nowhere"), "'packages[0].index': expected one of the [indexes] names"),
-    (lambda d: d["packages"].append(dict(d["packages"][0])), "'packages': expected each package once"),
+    (lambda d: REF(d)["packages"][0].update(version="2.9.1+cu 130"),
+     "'stacks.sglang-0.5.9.packages[0].version': expected a PEP 440 version"),
+    (lambda d: REF(d)["packages"][0].update(index="nowhere"),
+     "'stacks.sglang-0.5.9.packages[0].index': expected one of the [indexes] names"),
+    (lambda d: REF(d)["packages"].append(dict(REF(d)["packages"][0])),
+     "'stacks.sglang-0.5.9.packages': expected each package once"),
+    (lambda d: REF(d).update(exclude_newer="2026-02-24"),
+     "'stacks.sglang-0.5.9.exclude_newer': expected an RFC 3339 UTC time"),
+    (lambda d: REF(d).update(torch_cuda="12.8"),
+     "'stacks.sglang-0.5.9.packages': expected torch's local label to name the stack's torch_cuda 12.8"),
+    (lambda d: d.update(stacks={}), "'stacks': expected at least one stack table"),
     (lambda d: d["gpu"].update(count=0), "'gpu.count': expected a positive integer"),
     (lambda d: d.update(schema=2), "'schema': expected the schema number 1"),
 ])
@@ -149,7 +166,8 @@ def test_overrides_apply_and_defaults_come_from_the_manifest():
     assert (runfile.size, runfile.sha256) == (manifest.runfiles["x86_64"].size, manifest.runfiles["x86_64"].sha256)
     assert settings.index_url("torch") == "https://mirror.internal/torch/cu130"
     assert settings.index_url("pypi") == manifest.indexes["pypi"]
-    assert settings.wheel_url(manifest.package("sgl-kernel"), "aarch64") == manifest.package("sgl-kernel").wheel["aarch64"]
+    kernel = settings.package("sgl-kernel")
+    assert settings.wheel_url(kernel, "aarch64") == kernel.wheel["aarch64"]
     assert settings.service_tp == 4
     assert settings.service_model_path == manifest.service["profiles"][manifest.service["profile"]]["model_path"]
 

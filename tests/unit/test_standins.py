@@ -20,18 +20,24 @@ from pathlib import Path
 
 import pytest
 
+from packaging.requirements import Requirement
+
 from servestack.manifest import load_manifest
 from servestack.sandbox.standins import Gpu, build_artifacts, build_runfile, dress_gpu_host, render_nvidia_smi
 from servestack.sandbox.standins.index import write_simple_index
 from servestack.sandbox.standins.pypi import fetch_wheel
 from servestack.sandbox.standins.runfile import runfile_info
-from servestack.sandbox.standins.sglang import cut_wheel, requirements_of
+from servestack.sandbox.standins.sglang import cut_wheel, kept_projects, requirements_of
+from servestack.sandbox.standins.stack import reference_stack
 from servestack.sandbox.standins.toolkit import write_toolkit_tree
-from servestack.sandbox.standins.wheels import broken_wheel, build_wheel, record_hash, standin_wheel
+from servestack.sandbox.standins.wheels import (
+    broken_wheel, build_wheel, metadata_only_wheel, record_hash, standin_wheel,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "h200-ubuntu2404"
 MANIFEST = load_manifest()
+REFERENCE = reference_stack()
 UV = shutil.which("uv")
 
 H200 = Gpu(name="NVIDIA H200", compute_cap="9.0", count=1, driver_version="580.159.04", memory_mib=143771,
@@ -297,9 +303,43 @@ def py(python: Path, code: str, **env) -> subprocess.CompletedProcess:
     return run(python, "-c", code, env={**os.environ, **env})
 
 
+#: Projects a stand-in requires unpinned that have no stand-in builder (the sandbox serves the real
+#: wheels); these tests put metadata-only wheels of them beside the stand-ins, at these versions.
+NO_STANDIN = {"numpy": "2.2.6", "pillow": "11.3.0"}
+
+
+def build_with_requirements(name: str, version: str, dest: Path) -> list[Path]:
+    """The stand-in `name==version` and, transitively, a wheel for each requirement it declares on
+    this platform (no extras): a stand-in at its `==` pin, or a NO_STANDIN metadata-only wheel. An
+    unpinned stand-in requirement (flashinfer-python's `torch`) is left to what else is built."""
+    built: dict[str, Path] = {}
+    pending = [(name, version)]
+    while pending:
+        project, pin = pending.pop()
+        if project in NO_STANDIN:
+            spec = metadata_only_wheel(project, NO_STANDIN[project])
+        else:
+            spec = standin_wheel(project, pin)
+        if spec.filename in built:
+            continue
+        built[spec.filename] = build_wheel(spec, dest)
+        for line in spec.requires:
+            requirement = Requirement(line)
+            if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
+                continue
+            pins = [item.version for item in requirement.specifier if item.operator == "=="]
+            project_name = requirement.name.lower().replace("_", "-")
+            if project_name in NO_STANDIN:
+                pending.append((project_name, NO_STANDIN[project_name]))
+            elif pins:
+                pending.append((project_name, pins[0]))
+    return list(built.values())
+
+
 @pytest.fixture(scope="module")
 def standin_dir(tmp_path_factory):
-    """Every stand-in wheel of the stack, old and new."""
+    """Every stand-in wheel of the stack, old and new, with the stand-ins they require (the +cu130
+    torch family's nvidia-cudnn-cu13, triton, numpy and pillow)."""
     out = tmp_path_factory.mktemp("wheels")
     for name, version in [("torch", "2.9.1+cu130"), ("torch", "2.9.1+cu128"), ("torch", "2.9.1"),
                           ("torchvision", "0.24.1+cu130"), ("torchaudio", "2.9.1+cu130"),
@@ -307,7 +347,7 @@ def standin_dir(tmp_path_factory):
                           ("flashinfer-python", "0.6.3"), ("flashinfer-python", "0.6.4"),
                           ("flashinfer-cubin", "0.6.3"), ("flashinfer-cubin", "0.6.4"),
                           ("flashinfer-jit-cache", "0.6.4+cu130"), ("cuda-python", "12.9")]:
-        build_wheel(standin_wheel(name, version), out)
+        build_with_requirements(name, version, out)
     return out
 
 
@@ -322,15 +362,20 @@ def test_wheel_names_follow_the_real_ones(standin_dir):
     assert "Summary: STAND-IN for PyTorch 2.9.1+cu130" in metadata
 
 
-@pytest.mark.parametrize("label, cuda", [("+cu130", "13.0"), ("+cu128", "12.8"), ("", "12.8")])
-def test_torch_reports_the_cuda_of_its_label(uv, tmp_path, label, cuda):
-    wheel = build_wheel(standin_wheel("torch", f"2.9.1{label}"), tmp_path / "wheels")
+@pytest.mark.parametrize("label, cuda, cudnn", [("+cu130", "13.0", "91300"), ("+cu128", "12.8", "None"),
+                                                ("", "12.8", "None")])
+def test_torch_reports_the_cuda_of_its_label(uv, tmp_path, label, cuda, cudnn):
+    """torch.version.cuda follows the label; the +cu130 build requires (and so installs) its pinned
+    nvidia-cudnn-cu13 9.13.0.50, whose version torch.backends.cudnn reports; the cu128 and PyPI
+    stand-ins keep no requirements, so no cuDNN is installed with them."""
+    wheels = build_with_requirements("torch", f"2.9.1{label}", tmp_path / "wheels")
     python = uv.venv(tmp_path / "venv")
-    result = uv.install(python, "--offline", "--no-index", "--find-links", wheel.parent, "torch==2.9.1")
+    result = uv.install(python, "--offline", "--no-index", "--find-links", wheels[0].parent, "torch==2.9.1")
     assert result.returncode == 0, result.stderr
     out = py(python, "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), "
-                     "torch.cuda.device_count()); print(torch.__doc__)").stdout.splitlines()
-    assert out[0] == f"2.9.1{label} {cuda} False 0" and "STAND-IN" in out[1]
+                     "torch.cuda.device_count(), torch.backends.cudnn.version()); "
+                     "print(torch.__doc__)").stdout.splitlines()
+    assert out[0] == f"2.9.1{label} {cuda} False 0 {cudnn}" and "STAND-IN" in out[1]
 
 
 def test_flashinfer_checks_its_companions(uv, tmp_path, standin_dir):
@@ -352,10 +397,16 @@ def test_flashinfer_checks_its_companions(uv, tmp_path, standin_dir):
 
 @pytest.mark.parametrize("kind", ["corrupt_zip", "bad_metadata"])
 def test_broken_wheels_fail_to_install(uv, tmp_path, standin_dir, kind):
+    """The broken torch fails the install, itself: the stand-ins it requires are there beside it."""
     bad = broken_wheel(standin_dir / "torch-2.9.1+cu130-cp311-cp311-manylinux_2_28_x86_64.whl", tmp_path / "bad", kind)
+    for wheel in build_with_requirements("torch", "2.9.1+cu130", tmp_path / "good")[1:]:
+        shutil.copy2(wheel, bad.parent)
     python = uv.venv(tmp_path / "venv")
     result = uv.install(python, "--offline", "--no-index", "--find-links", bad.parent, "torch==2.9.1+cu130")
     assert result.returncode != 0
+    assert {"corrupt_zip": "The structure of `torch` (v2.9.1+cu130) was invalid",
+            "bad_metadata": "Wheel version does not match filename (0.0.0 != 2.9.1+cu130)"}[kind] in result.stderr, \
+        result.stderr
 
 
 def test_simple_index_resolves_with_uv(uv, tmp_path, standin_dir):
@@ -380,13 +431,14 @@ def artifacts(tmp_path_factory):
 
 
 def test_cut_sglang_keeps_the_real_files_and_conflicting_pins(tmp_path):
-    real = fetch_wheel("sglang", MANIFEST.package("sglang").version)
-    cut = cut_wheel(real, tmp_path)
+    version = REFERENCE.package("sglang").version
+    real = fetch_wheel("sglang", version)
+    cut = cut_wheel(real, tmp_path, kept_projects(version))
     assert cut.name == real.name
     pins = sorted(str(requirement) for requirement in requirements_of(cut))
     assert pins == ["IPython", "aiohttp", "cuda-python==12.9", "flashinfer_cubin==0.6.3", "flashinfer_python==0.6.3",
-                    "numpy", "pybase64", "pydantic", "requests", "sgl-kernel==0.3.21", "torch==2.9.1",
-                    "torchaudio==2.9.1", "torchvision", "tqdm"]
+                    "numpy", "pillow", "pybase64", "pydantic", "requests", "sgl-kernel==0.3.21", "torch==2.9.1",
+                    "torchaudio==2.9.1", "torchvision", "tqdm", "transformers==4.57.1"]
     with zipfile.ZipFile(real) as before, zipfile.ZipFile(cut) as after:
         changed = [name for name in before.namelist() if before.read(name) != after.read(name)]
         assert sorted(before.namelist()) == sorted(after.namelist())
@@ -406,37 +458,41 @@ def test_artifact_tree_mirrors_the_manifest_urls(artifacts):
     assert data["cuda_runfile_url"] == "http://10.9.0.1:8080/" + runfile.url.split("://", 1)[1]
     for name, url in MANIFEST.indexes.items():
         assert data[f"index_{name}_url"] == "http://10.9.0.1:8080/" + url.split("://", 1)[1]
-    sgl = MANIFEST.package("sgl-kernel").wheel["x86_64"]
+    sgl = REFERENCE.package("sgl-kernel").wheel["x86_64"]
     assert data["wheel_url_sgl_kernel"] == "http://10.9.0.1:8080/" + sgl.split("://", 1)[1]
     assert data["uv_index_url"] == data["index_pypi_url"]
     uv_wheels = list((artifacts.indexes["pypi"] / "uv").glob(f"uv-{MANIFEST.uv['version']}-*manylinux*x86_64*.whl"))
     assert len(uv_wheels) == 1
     assert {path.name for path in artifacts.indexes["pypi"].iterdir()} >= {
-        "sglang", "torch", "flashinfer-python", "flashinfer-cubin", "sgl-kernel", "cuda-python", "numpy"}
+        "sglang", "torch", "flashinfer-python", "flashinfer-cubin", "sgl-kernel", "cuda-python", "numpy",
+        "nvidia-cudnn-cu13", "triton", "transformers", "pillow"}
 
 
 def test_stack_installs_from_the_artifact_indexes(uv, tmp_path, artifacts):
-    """The deploy's install: explicit indexes, the overrides for flashinfer 0.6.4, then `import sglang` works."""
+    """The deploy's install of the reference stack: explicit indexes, every pin of the default index
+    as an override (flashinfer 0.6.4 over sglang's 0.6.3, nvidia-cudnn-cu13 9.16.0.29 over torch's
+    9.13.0.50), then `import sglang` works and torch sees the overriding cuDNN."""
     python = uv.venv(tmp_path / "venv")
     overrides = tmp_path / "overrides.txt"
-    overrides.write_text("flashinfer-python==0.6.4\nflashinfer-cubin==0.6.4\n")
+    overrides.write_text("".join(f"{package.requirement}\n" for package in REFERENCE.packages
+                                 if package.index == "pypi"))
+    assert {"flashinfer-python==0.6.4", "flashinfer-cubin==0.6.4",
+            "nvidia-cudnn-cu13==9.16.0.29"} <= set(overrides.read_text().split())
     indexes = ("--index-url", artifacts.indexes["pypi"].as_uri(),
                "--extra-index-url", artifacts.indexes["torch"].as_uri(),
                "--extra-index-url", artifacts.indexes["flashinfer"].as_uri(), "--overrides", overrides)
-    result = uv.install(python, *indexes, "torch==2.9.1+cu130", "torchvision==0.24.1+cu130",
-                        "torchaudio==2.9.1+cu130", f"sglang=={MANIFEST.package('sglang').version}",
-                        "flashinfer-python==0.6.4", "flashinfer-cubin==0.6.4", "flashinfer-jit-cache==0.6.4+cu130",
+    result = uv.install(python, *indexes, *(package.requirement for package in REFERENCE.packages if not package.wheel),
                         artifacts.wheels["sgl-kernel"])
     assert result.returncode == 0, result.stderr
-    out = py(python, "import sglang, torch, flashinfer, sgl_kernel; "
-                     "print(sglang.__version__, torch.version.cuda, flashinfer.__version__)")
-    assert (out.returncode, out.stdout) == (0, f"{MANIFEST.package('sglang').version} 13.0 0.6.4\n"), out.stderr
+    out = py(python, "import sglang, torch, flashinfer, sgl_kernel; print(sglang.__version__, torch.version.cuda, "
+                     "flashinfer.__version__, torch.backends.cudnn.version())")
+    assert (out.returncode, out.stdout) == (0, f"{REFERENCE.package('sglang').version} 13.0 0.6.4 91600\n"), out.stderr
 
 
 def test_without_overrides_sglang_pulls_flashinfer_back(uv, tmp_path, artifacts):
     python = uv.venv(tmp_path / "venv")
     result = uv.install(python, "--index-url", artifacts.indexes["pypi"].as_uri(),
-                        f"sglang=={MANIFEST.package('sglang').version}")
+                        f"sglang=={REFERENCE.package('sglang').version}")
     assert result.returncode == 0, result.stderr
     assert "flashinfer-python==0.6.3" in result.stderr and "torch==2.9.1\n" in result.stderr
 
@@ -450,9 +506,14 @@ def test_upstream_sglang_release_resolves_on_its_own_pins(uv, tmp_path, artifact
 
 @pytest.mark.parametrize("kind", ["corrupt_zip", "bad_metadata"])
 def test_broken_torch_index_fails(uv, tmp_path, artifacts, kind):
+    """The broken torch fails the install, itself: what it requires comes from the pypi index, as in the deploy."""
     python = uv.venv(tmp_path / "venv")
-    result = uv.install(python, "--index-url", artifacts.broken_indexes[kind].as_uri(), "torch==2.9.1+cu130")
+    result = uv.install(python, "--index-url", artifacts.indexes["pypi"].as_uri(),
+                        "--extra-index-url", artifacts.broken_indexes[kind].as_uri(), "torch==2.9.1+cu130")
     assert result.returncode != 0
+    assert {"corrupt_zip": "The structure of `torch` (v2.9.1+cu130) was invalid",
+            "bad_metadata": "Wheel version does not match filename (0.0.0 != 2.9.1+cu130)"}[kind] in result.stderr, \
+        result.stderr
 
 
 # --- a dressed host root ---------------------------------------------------------------------

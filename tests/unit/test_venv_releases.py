@@ -7,8 +7,8 @@ import re
 import pytest
 
 from operations.releases import (
-    HEREDOC, NoRollbackTarget, cuda_of_local_label, encode, format_diff, guarded_tool_command,
-    package_diff, python_series, release_plan, releases_to_prune, rollback_target, tool_command,
+    HEREDOC, NoRollbackTarget, encode, format_diff, guarded_tool_command,
+    package_diff, python_series, release_plan, releases_to_prune, rollback_target, tool_command, upload_bound,
 )
 from servestack.errors import ConfigError
 from servestack.manifest import load_manifest
@@ -47,10 +47,14 @@ def test_unknown_architecture_is_a_clear_error():
         plan(arch="ppc64le")
 
 
+def reference():
+    return settings().stack
+
+
 def test_pyproject_pins_explicit_indexes_to_their_packages_only():
     text = plan().files["pyproject.toml"]
     manifest = load_manifest()
-    for package in manifest.packages:
+    for package in reference().packages:
         assert json.dumps(f"{package.name}=={package.version}") in text
         if package.index and package.index != "pypi":
             assert f'{package.name} = {{ index = "{package.index}" }}' in text
@@ -63,10 +67,12 @@ def test_pyproject_pins_explicit_indexes_to_their_packages_only():
 
 def test_overrides_make_flashinfer_064_win_over_sglangs_pin():
     lines = [line for line in plan().files["overrides.txt"].splitlines() if not line.startswith("#")]
-    manifest = load_manifest()
-    assert f"flashinfer-python=={manifest.package('flashinfer-python').version}" in lines
-    assert f"flashinfer-cubin=={manifest.package('flashinfer-cubin').version}" in lines
-    assert f"sgl-kernel @ {manifest.package('sgl-kernel').wheel['x86_64']}" in lines
+    stack = reference()
+    assert f"flashinfer-python=={stack.package('flashinfer-python').version}" in lines
+    assert f"flashinfer-cubin=={stack.package('flashinfer-cubin').version}" in lines
+    assert f"sgl-kernel @ {stack.package('sgl-kernel').wheel['x86_64']}" in lines
+    # the cuDNN sglang 0.5.9 needs for a multimodal model on torch 2.9.1 wins over torch's own pin
+    assert "nvidia-cudnn-cu13==9.16.0.29" in lines
     # overriding a package drops its index source in uv: explicit-index pins are not overridden
     assert not any(line.startswith(("torch", "flashinfer-jit-cache")) for line in lines)
 
@@ -82,21 +88,38 @@ def test_every_url_comes_from_settings():
 
 def test_expectations_come_from_the_manifest():
     expect = plan().expect
-    manifest = load_manifest()
-    assert expect["packages"] == {p.name: p.version for p in manifest.packages}
-    assert expect["torch_cuda"] == "13.0"
+    stack = reference()
+    assert expect["packages"] == {p.name: p.version for p in stack.packages}
+    assert expect["torch_cuda"] == stack.torch_cuda == "13.0"
     assert expect["imports"] == ["flashinfer", "sglang"]
-    assert plan().steps == {p.name: p.step for p in manifest.packages}
+    # the sgl-kernel file says +cu130, its METADATA 0.3.21: the file is checked by name
+    assert expect["packages"]["sgl-kernel"] == "0.3.21"
+    assert expect["wheels"] == {"sgl-kernel": "sgl_kernel-0.3.21+cu130-cp310-abi3-manylinux2014_x86_64.whl"}
+    assert plan().steps == {p.name: p.step for p in stack.packages}
 
 
-@pytest.mark.parametrize("version,cuda", [("2.9.1+cu130", "13.0"), ("2.9.1+cu128", "12.8"), ("2.4.0+cu118", "11.8")])
-def test_cuda_of_local_label(version, cuda):
-    assert cuda_of_local_label(version) == cuda
+def test_each_profile_builds_the_release_of_its_own_stack():
+    kimi, glm = plan(service_profile="kimi-k2.5-eagle3"), plan(service_profile="glm-5-mtp")
+    assert kimi.id != glm.id
+    assert (kimi.inputs["stack"], glm.inputs["stack"]) == ("sglang-0.5.9", "sglang-0.5.14")
+    assert glm.expect["packages"]["torch"] == "2.11.0" and glm.expect["torch_cuda"] == "13.0"
+    assert glm.expect["packages"]["transformers"] == "5.8.1"
+    assert kimi.expect["packages"]["transformers"] == "4.57.1"
+    # a host may name another stack for its profile; that is a different release
+    assert plan(service_profile="kimi-k2.5-eagle3", service_stack="sglang-0.5.14", service_patches=[]).id \
+        != kimi.id
 
 
-def test_torch_without_cuda_label_is_refused():
-    with pytest.raises(ConfigError, match="local label"):
-        cuda_of_local_label("2.9.1")
+def test_the_resolution_is_bounded_by_the_stacks_upload_time_except_other_indexes_exact_pins():
+    kimi, glm = plan(), plan(service_profile="glm-5-mtp")
+    assert kimi.bound == ["--exclude-newer", "2026-02-24T00:00:00Z",
+                          "--exclude-newer-package", "flashinfer-jit-cache=false",
+                          "--exclude-newer-package", "torch=false",
+                          "--exclude-newer-package", "torchaudio=false",
+                          "--exclude-newer-package", "torchvision=false"]
+    assert glm.bound == ["--exclude-newer", "2026-06-27T00:00:00Z"]   # all from PyPI
+    assert kimi.inputs["exclude_newer"] == "2026-02-24T00:00:00Z"     # an input: it is in the release id
+    assert upload_bound({**kimi.inputs, "exclude_newer": "2026-01-01T00:00:00Z"})[1] == "2026-01-01T00:00:00Z"
 
 
 def test_python_series():

@@ -31,6 +31,7 @@ from operations import venv as venv_step
 from operations.releases import CHECK, HEREDOC, TOOL, encode, release_at, release_plan
 from operations.venv import activate_release, mlenv_fact_arguments
 from servestack.manifest import load_manifest
+from servestack.sandbox.standins.stack import reference_stack
 from servestack.sandbox.standins.wheels import TORCH_TAG, WheelSpec, build_wheel, standin_wheel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -443,7 +444,8 @@ def build_params(host, index, tmp_path, **data):
     plan = release_plan(settings, "x86_64", python_version)
     plan = dataclasses.replace(plan, dir=f"{host['releases_dir']}/{plan.id}")
     return plan, {**host, "id": plan.id, "release_dir": plan.dir, "inputs": plan.inputs, "files": plan.files,
-                  "steps": plan.steps, "expect": plan.expect, "check_script": CHECK.read_text(),
+                  "steps": plan.steps, "bound": plan.bound, "expect": plan.expect,
+                  "check_script": CHECK.read_text(),
                   "uv_version": load_manifest().uv["version"], "uv_index_url": "http://127.0.0.1:9/none",
                   "cache_dir": str(tmp_path / "uv-cache"), "python": HOST_PYTHON}
 
@@ -457,6 +459,7 @@ def test_build_then_activate_turns_a_cu128_env_into_cu130(host, index, tmp_path)
     record = json.loads(Path(plan.dir, "release.json").read_text())
     assert record["status"] == "ok" and record["packages"]["torch"] == "2.9.1+cu130"
     assert record["packages"]["flashinfer-python"] == "0.6.4"  # the override beat sglang's 0.6.3 pin
+    assert record["packages"]["nvidia-cudnn-cu13"] == "9.16.0.29"  # ... and torch's own 9.13.0.50 pin
     assert record["lock_sha256"] and Path(plan.dir, "lock.txt").exists()
     assert os.path.isdir(host["venv_path"]) and not os.path.islink(host["venv_path"])  # not switched yet
     assert run_tool("build", params)[1] == {"built": False, "reason": "already built"}
@@ -464,9 +467,10 @@ def test_build_then_activate_turns_a_cu128_env_into_cu130(host, index, tmp_path)
                                               "adopt_as": "adopted-20260101T000000Z"})
     assert code == 0, err
     out = subprocess.run([f"{host['venv_path']}/bin/python", "-c",
-                          "import torch, flashinfer, sglang; print(torch.__version__, torch.version.cuda)"],
+                          "import torch, flashinfer, sglang; "
+                          "print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version())"],
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["2.9.1+cu130", "13.0"]
+    assert out == ["2.9.1+cu130", "13.0", "91600"]
 
 
 @needs_uv
@@ -491,7 +495,7 @@ def test_a_broken_wheel_fails_the_build_and_leaves_the_old_env(host, tmp_path):
 def test_a_failed_check_keeps_the_release_out(host, tmp_path):
     root = tmp_path / "lying-index"
     venv_index.build_index(root)
-    torch_version = load_manifest().package("torch").version
+    torch_version = reference_stack().package("torch").version
     liar = WheelSpec("torch", torch_version, TORCH_TAG,
                      {"torch/__init__.py": f"__version__ = '{torch_version}'\nfrom torch import version\n",
                       "torch/version.py": "cuda = '12.8'\n"}, (), "a cu128 build labelled cu130")

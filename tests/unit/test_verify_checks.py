@@ -405,7 +405,9 @@ def torch_report(**torch) -> Readings:
     version, cuda = text.splitlines()[1].split()
     info = {"version": version, "cuda": cuda, "available": True, "count": 1, "names": ["NVIDIA H200"],
             "capabilities": [[9, 0]], "ops": [{"device": 0, "sum": 1047552.0, "matmul": 262144.0}], **torch}
-    packages = {package.name: package.version for package in load_manifest().packages}
+    manifest = load_manifest()   # the default profile's stack
+    stack = manifest.stacks[manifest.service["profiles"][manifest.service["profile"]]["stack"]]
+    packages = {package.name: package.version for package in stack.packages}
     found = {"prefix": "/opt/ml-env", "packages": packages, "torch": info}
     return Readings("h200", python=Section(0, ("warning: noise", MARK + json.dumps(found))))
 

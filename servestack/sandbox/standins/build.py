@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 from servestack.sandbox.standins.index import normalize_project, write_simple_index
 from servestack.sandbox.standins.pypi import fetch_wheels
 from servestack.sandbox.standins.runfile import RunfileInfo, build_runfile, runfile_info, write_md5sum
-from servestack.sandbox.standins.sglang import IMPORT_DEPS, UPSTREAM_PATCHED_VERSION, requirements_of, sglang_wheel
-from servestack.sandbox.standins.stack import manifest, old_label, target_label, with_label
+from servestack.manifest import Stack
+from servestack.sandbox.standins.sglang import UPSTREAM_PATCHED_VERSION, import_deps, requirements_of, sglang_wheel
+from servestack.sandbox.standins.stack import manifest, old_label, reference_stack, target_label, with_label
 from servestack.sandbox.standins.wheels import BROKEN_KINDS, broken_wheel, build_wheel, standin_wheel
 
 
@@ -82,42 +84,81 @@ class ArtifactSet:
         return data
 
 
-def _pinned_standins(sglang_wheels: list[Path]) -> list[tuple[str, str]]:
-    """(project, version) of every stack package the sglang wheels require: pins as pinned,
-    unpinned ones at the manifest's public version."""
+#: What a stand-in's unpinned requirement resolves to where no stack pins the project: the version a
+#: real resolution of the stack picks under its exclude_newer bound (uv 0.13.9 against PyPI,
+#: 2026-12-02: sglang 0.5.14's `cuda-python>=13.0` -> 13.3.1).
+UNPINNED = {"cuda-python": "13.3.1"}
+
+
+def _stack_version(name: str, stack: Stack) -> str:
+    try:
+        return Version(stack.package(name).version).public
+    except KeyError:
+        return UNPINNED[normalize_project(name)]
+
+
+def _standins_required(requirements: list[Requirement], stack: Stack, real: set[str]) -> set[tuple[str, str]]:
+    """(project, version) of the stand-ins `requirements` need, pins as pinned, unpinned ones at the
+    stack's version; projects served as real wheels (`real`) left out."""
     wanted = set()
-    for wheel in sglang_wheels:
-        for requirement in requirements_of(wheel):
-            if normalize_project(requirement.name) in IMPORT_DEPS:
-                continue
-            pins = [spec.version for spec in requirement.specifier if spec.operator == "=="]
-            version = pins[0] if pins else Version(manifest().package(requirement.name).version).public
-            wanted.add((normalize_project(requirement.name), version))
-    return sorted(wanted)
+    for requirement in requirements:
+        project = normalize_project(requirement.name)
+        if project in real or "extra" in str(requirement.marker or ""):
+            continue
+        pins = [spec.version for spec in requirement.specifier if spec.operator == "=="]
+        wanted.add((project, pins[0] if pins else _stack_version(project, stack)))
+    return wanted
 
 
-def _import_dep_requirements(sglang_wheels: list[Path]) -> list[str]:
-    return sorted({str(requirement) for wheel in sglang_wheels for requirement in requirements_of(wheel)
-                   if normalize_project(requirement.name) in IMPORT_DEPS})
+def _stack_standins(sglang: Path, stack: Stack, work: Path) -> list[Path]:
+    """The stand-ins of the pypi index one stack's sglang and pins need: its pins of the pypi index,
+    every stand-in the cut-down sglang or the stack's other pins (torch's index, direct wheels)
+    require, and what those require in turn."""
+    real = {normalize_project(name) for name in import_deps(stack.package("sglang").version)}
+    wanted = {(package.name, package.version) for package in stack.packages
+              if package.index == "pypi" and normalize_project(package.name) not in real | {"sglang"}}
+    wanted |= _standins_required(requirements_of(sglang), stack, real)
+    for package in stack.packages:
+        if package.index != "pypi":
+            spec = standin_wheel(package.name, package.version)
+            wanted |= _standins_required([Requirement(line) for line in spec.requires], stack, real)
+    built: dict[tuple[str, str], Path] = {}
+    while pending := sorted(wanted - built.keys()):
+        for name, version in pending:
+            built[(name, version)] = build_wheel(standin_wheel(name, version), work / "standins")
+            wanted |= _standins_required(requirements_of(built[(name, version)]), stack, real)
+    return list(built.values())
+
+
+def _import_dep_requirements(sglang: Path) -> list[str]:
+    real = {normalize_project(name) for name in import_deps(_version_of(sglang))}
+    return sorted({str(requirement) for requirement in requirements_of(sglang)
+                   if normalize_project(requirement.name) in real})
+
+
+def _version_of(wheel: Path) -> str:
+    return wheel.name.split("-")[1]
 
 
 def _pypi_wheels(work: Path) -> list[Path]:
     """Everything the pypi-like index serves (see the module docstring)."""
-    sglang_version = manifest().package("sglang").version
-    sglang = [sglang_wheel(version, work / "sglang") for version in (sglang_version, UPSTREAM_PATCHED_VERSION)]
-    standins = set(_pinned_standins(sglang))
-    standins |= {(package.name, package.version) for package in manifest().packages
-                 if package.index == "pypi" and package.name != "sglang"}
-    built = [build_wheel(standin_wheel(name, version), work / "standins") for name, version in sorted(standins)]
-    uv = fetch_wheels([f"uv=={manifest().uv['version']}"])
-    deps = fetch_wheels(_import_dep_requirements(sglang), deps=True)
-    return sglang + built + uv + deps
+    served = []
+    stacks = list(manifest().stacks.values())
+    # The release with upstream fixes ('upstream patch' tests) stands beside the reference stack.
+    pairs = [(stack, stack.package("sglang").version) for stack in stacks]
+    pairs.append((reference_stack(), UPSTREAM_PATCHED_VERSION))
+    for stack, version in pairs:
+        sglang = sglang_wheel(version, work / "sglang")
+        served += [sglang, *_stack_standins(sglang, stack, work)]
+        served += fetch_wheels(_import_dep_requirements(sglang) + ["pillow"], deps=True)
+    served += fetch_wheels([f"uv=={manifest().uv['version']}"])
+    return sorted(set(served))
 
 
 def _index_wheels(index: str, label: str, work: Path) -> list[Path]:
     """Stand-ins of the manifest packages of `index`, with their local label replaced by `label`."""
     return [build_wheel(standin_wheel(package.name, with_label(package.version, label)), work / label)
-            for package in manifest().packages if package.index == index]
+            for package in manifest().all_packages() if package.index == index]
 
 
 def _write_broken_indexes(root: Path, torch_wheels: list[Path], work: Path) -> dict[str, Path]:
@@ -152,10 +193,11 @@ def build_artifacts(dest: Path, *, runfile_mode: str = "normal") -> ArtifactSet:
                                              _index_wheels("flashinfer", target_label(), work)),
         }
         wheels = {}
-        for package in manifest().packages:
+        for package in manifest().all_packages():
             if package.wheel:
                 target = dest / mirror_path(package.wheel["x86_64"])
-                built = build_wheel(standin_wheel(package.name, package.version), work / "direct")
+                # the version the file name says (sgl-kernel's +cu130 is there only, not in METADATA)
+                built = build_wheel(standin_wheel(package.name, _version_of(target)), work / "direct")
                 if built.name != target.name:
                     raise RuntimeError(f"stand-in {built.name} does not match the manifest's file {target.name}")
                 target.parent.mkdir(parents=True, exist_ok=True)

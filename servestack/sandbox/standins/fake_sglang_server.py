@@ -69,6 +69,7 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-backend")
     parser.add_argument("--quantization")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES)
+    parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--enable-torch-symm-mem", action="store_true")
     parser.add_argument("--enable-flashinfer-allreduce-fusion", action="store_true")
     parser.add_argument("--disable-custom-all-reduce", action="store_true")

@@ -33,8 +33,19 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _page(title: str, links: list[tuple[str, str]]) -> str:
-    anchors = "".join(f'    <a href="{html.escape(href)}">{html.escape(text)}</a><br/>\n' for href, text in links)
+#: The upload time the stand-in indexes give every file (`data-upload-time`, PEP 700, which uv reads
+#: from HTML pages too): before every stack's exclude_newer bound, as the real files' are. uv drops a
+#: file without one from a resolution under a bound. A file given as newer (`newer`) carries NEWER.
+UPLOAD_TIME = "2025-01-01T00:00:00Z"
+NEWER = "2099-01-01T00:00:00Z"
+NEWER_LIST = "newer-files.txt"  # at the index's root: the files given NEWER, kept across additions
+
+
+def _page(title: str, links: list[tuple[str, str]], times: dict[str, str] | None = None) -> str:
+    def anchor(href: str, text: str) -> str:
+        stamp = f' data-upload-time="{times[text]}"' if times and text in times else ""
+        return f'    <a href="{html.escape(href)}"{stamp}>{html.escape(text)}</a><br/>\n'
+    anchors = "".join(anchor(href, text) for href, text in links)
     return (f"<!DOCTYPE html>\n<html>\n  <head><title>{html.escape(title)}</title></head>\n"
             f"  <body>\n    <h1>{html.escape(title)}</h1>\n{anchors}  </body>\n</html>\n")
 
@@ -51,17 +62,23 @@ def _place(wheel: Path, directory: Path) -> Path:
     return target
 
 
-def write_simple_index(root: Path, wheels: list[Path]) -> Path:
-    """Lay out a PEP 503 index of `wheels` at `root` (added to what is there); return `root`."""
+def write_simple_index(root: Path, wheels: list[Path], newer: frozenset[str] = frozenset()) -> Path:
+    """Lay out a PEP 503 index of `wheels` at `root` (added to what is there); return `root`. Every
+    file has UPLOAD_TIME, those named in `newer` (file names) NEWER."""
     root = Path(root)
     for wheel in wheels:
         directory = root / project_of(wheel)
         directory.mkdir(parents=True, exist_ok=True)
         _place(Path(wheel), directory)
+    newer_list = root / NEWER_LIST
+    newer = set(newer) | set(newer_list.read_text().split() if newer_list.exists() else ())
+    if newer:
+        newer_list.write_text("".join(f"{name}\n" for name in sorted(newer)))
     projects = sorted(path.name for path in root.iterdir() if path.is_dir())
     for project in projects:
         files = sorted(path for path in (root / project).iterdir() if path.suffix == ".whl")
         links = [(f"{quote(file.name)}#sha256={sha256_of(file)}", file.name) for file in files]
-        (root / project / "index.html").write_text(_page(f"Links for {project}", links))
+        times = {file.name: NEWER if file.name in newer else UPLOAD_TIME for file in files}
+        (root / project / "index.html").write_text(_page(f"Links for {project}", links, times))
     (root / "index.html").write_text(_page("Simple index", [(f"{project}/", project) for project in projects]))
     return root

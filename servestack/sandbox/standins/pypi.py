@@ -2,7 +2,7 @@
 
 Sandbox hosts reach no registry, so what they install from PyPI in production (uv, sglang and
 what `import sglang` needs) is downloaded here for them, for their platform: CPython 3.11 on
-x86_64 Debian bookworm (glibc 2.36). Downloads are kept under the sandbox cache
+x86_64 Debian bookworm (glibc 2.36: manylinux_2_34 and older). Downloads are kept under the sandbox cache
 (env SERVESTACK_SANDBOX_CACHE, default /var/cache/servestack/sandbox). pip runs with no config
 file and without this machine's find-links, so only PyPI answers.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from servestack.sandbox.rootfs import cache_dir
 from servestack.sandbox.standins.stack import HOST_PYTHON
 
-HOST_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+HOST_PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
 def _pip() -> list[str]:

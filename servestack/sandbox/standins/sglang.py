@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from servestack.sandbox.standins.index import normalize_project
 from servestack.sandbox.standins.pypi import fetch_wheel
@@ -28,9 +29,13 @@ from servestack.sandbox.standins.wheels import record_hash, write_zip
 #: The release that already carries the upstream fix of a servestack patch ('upstream patch' tests).
 UPSTREAM_PATCHED_VERSION = "0.5.10"
 
-#: What `import sglang` (0.5.9 and 0.5.10) imports at top level beyond the standard library,
-#: found by importing it in an empty venv until it succeeded.
-IMPORT_DEPS = ("aiohttp", "ipython", "numpy", "pybase64", "pydantic", "requests", "tqdm")
+#: What `import sglang` imports at top level beyond the standard library and the stack's stand-ins,
+#: found by importing it in an empty venv until it succeeded (0.5.9 and 0.5.10; 0.5.14 with the
+#: stand-in torch, torchvision and triton), plus transformers, a stack pin served as the real wheel
+#: (what SGLang loads model configs with) and pillow, which torchvision requires.
+IMPORT_DEPS = ("aiohttp", "ipython", "numpy", "pybase64", "pydantic", "requests", "tqdm", "transformers",
+               "pillow")
+IMPORT_DEPS_FROM_0_5_14 = IMPORT_DEPS + ("orjson", "fastapi")
 
 #: Stack packages sglang pins that are not in the manifest (kept with their real pins).
 EXTRA_STACK = ("cuda-python", "sglang-kernel")
@@ -39,10 +44,15 @@ NOTE = ("STAND-IN (servestack sandbox): the real sglang {version} wheel with Req
         "the serving stack's pins and the packages `import sglang` needs.")
 
 
-def kept_projects() -> set[str]:
-    """Normalized names of the requirements a cut-down sglang keeps."""
-    stack = {package.name for package in manifest().packages} | set(EXTRA_STACK)
-    return {normalize_project(name) for name in stack | set(IMPORT_DEPS)} - {"sglang"}
+def import_deps(version: str) -> tuple[str, ...]:
+    """The real packages `import sglang` of `version` needs (IMPORT_DEPS)."""
+    return IMPORT_DEPS_FROM_0_5_14 if Version(version) >= Version("0.5.14") else IMPORT_DEPS
+
+
+def kept_projects(version: str) -> set[str]:
+    """Normalized names of the requirements a cut-down sglang of `version` keeps."""
+    stack = {package.name for package in manifest().all_packages()} | set(EXTRA_STACK)
+    return {normalize_project(name) for name in stack | set(import_deps(version))} - {"sglang"}
 
 
 def _keep(line: str, keep: set[str]) -> bool:
@@ -66,13 +76,13 @@ def _record_with(record: str, path: str, data: bytes) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cut_wheel(real: Path, dest_dir: Path, keep: set[str] | None = None) -> Path:
+def cut_wheel(real: Path, dest_dir: Path, keep: set[str]) -> Path:
     """Rewrite the real sglang wheel `real` into `dest_dir` (same file name), METADATA cut down."""
     with zipfile.ZipFile(real) as archive:
         entries = {name: archive.read(name) for name in archive.namelist()}
     metadata = next(name for name in entries if re.fullmatch(r"[^/]+\.dist-info/METADATA", name))
     record = metadata.rsplit("/", 1)[0] + "/RECORD"
-    entries[metadata] = cut_metadata(entries[metadata].decode(), keep or kept_projects()).encode()
+    entries[metadata] = cut_metadata(entries[metadata].decode(), keep).encode()
     entries[record] = _record_with(entries[record].decode(), metadata, entries[metadata]).encode()
     Path(dest_dir).mkdir(parents=True, exist_ok=True)
     return write_zip(Path(dest_dir) / Path(real).name, entries)
@@ -80,7 +90,7 @@ def cut_wheel(real: Path, dest_dir: Path, keep: set[str] | None = None) -> Path:
 
 def sglang_wheel(version: str, dest_dir: Path) -> Path:
     """The cut-down wheel of sglang `version` (real wheel fetched from PyPI once) in `dest_dir`."""
-    return cut_wheel(fetch_wheel("sglang", version), dest_dir)
+    return cut_wheel(fetch_wheel("sglang", version), dest_dir, kept_projects(version))
 
 
 def requirements_of(wheel: Path) -> list[Requirement]:

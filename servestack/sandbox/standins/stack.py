@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from packaging.version import Version
 
-from servestack.manifest import Manifest, load_manifest
+from servestack.manifest import Manifest, Stack, load_manifest
 
 #: The CUDA toolkit the fleet runs before the upgrade (a runfile install of 12.8 Update 1).
 OLD_CUDA_VERSION = "12.8.1"
@@ -26,9 +26,17 @@ def manifest() -> Manifest:
     return load_manifest()
 
 
-def package_version(name: str) -> str:
-    """The manifest's pinned version of package `name` (with its local label, if any)."""
-    return manifest().package(name).version
+def reference_stack() -> Stack:
+    """The stack of the manifest's default service profile: what the fleet's hosts ran, in their
+    CUDA 12.8 builds, before the upgrade."""
+    service = manifest().service
+    return manifest().stacks[service["profiles"][service["profile"]]["stack"]]
+
+
+def package_version(name: str, stack: Stack | None = None) -> str:
+    """The pinned version of package `name` (with its local label, if any) in `stack` (default: the
+    reference stack)."""
+    return (stack or reference_stack()).package(name).version
 
 
 def cuda_label(cuda_version: str) -> str:

@@ -16,11 +16,18 @@ import hashlib
 import re
 import zipfile
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+from packaging.requirements import Requirement
 from packaging.tags import parse_tag
 from packaging.version import Version
 
+from servestack.sandbox.standins.index import normalize_project
 from servestack.sandbox.standins.stack import OLD_CUDA_VERSION, package_version
 
 #: Tags of the real wheels (x86_64, CPython 3.11 where the real ones are per-Python).
@@ -42,10 +49,12 @@ class WheelSpec:
     files: dict[str, str] = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     summary: str = ""
+    extras: tuple[str, ...] = ()
+    file_version: str = ""  # the version the file name says, where it is not METADATA's (sgl-kernel +cu130)
 
     @property
     def filename(self) -> str:
-        return f"{normalize_dist(self.name)}-{self.version}-{self.tag}.whl"
+        return f"{normalize_dist(self.name)}-{self.file_version or self.version}-{self.tag}.whl"
 
     @property
     def dist_info(self) -> str:
@@ -82,6 +91,7 @@ def write_zip(path: Path, entries: dict[str, bytes]) -> Path:
 def _metadata(spec: WheelSpec) -> str:
     lines = ["Metadata-Version: 2.1", f"Name: {spec.name}", f"Version: {spec.version}",
              f"Summary: {spec.summary}", "Requires-Python: >=3.10"]
+    lines += [f"Provides-Extra: {extra}" for extra in spec.extras]
     lines += [f"Requires-Dist: {requirement}" for requirement in spec.requires]
     return "\n".join(lines) + "\n\n" + spec.summary + "\n"
 
@@ -105,16 +115,53 @@ def build_wheel(spec: WheelSpec, dest_dir: Path) -> Path:
     return write_zip(dest_dir / spec.filename, entries)
 
 
-def cuda_of(version: str) -> str:
-    """CUDA version a torch-family build targets: from its local label ('+cu130' -> '13.0').
+#: PyPI's torch is a CUDA 13.0 build from 2.11.0 on (torch/version.py of the 2.11.0 wheel: cuda =
+#: '13.0'), a CUDA 12.8 build before (2.9.x, 2.10.x).
+PYPI_TORCH_CUDA_13 = Version("2.11.0")
 
-    A version without a label is PyPI's default build, which for torch 2.9.x is CUDA 12.8.
-    """
+
+def cuda_of(version: str) -> str:
+    """CUDA version a torch-family build targets: from its local label ('+cu130' -> '13.0'), else
+    PyPI's default build of that version."""
     label = Version(version).local
     match = re.fullmatch(r"cu(\d+)(\d)", label or "")
-    if not match:
-        return ".".join(OLD_CUDA_VERSION.split(".")[:2])
-    return f"{match[1]}.{match[2]}"
+    if match:
+        return f"{match[1]}.{match[2]}"
+    if Version(version).release >= PYPI_TORCH_CUDA_13.release:
+        return "13.0"
+    return ".".join(OLD_CUDA_VERSION.split(".")[:2])
+
+
+KEPT_METADATA = Path(__file__).with_name("kept_metadata.toml")
+PAYLOAD = Path(__file__).with_name("payload")
+#: The projects among the kept requirements that the sandbox serves today (as stand-ins); a kept
+#: requirement of another project is left out of the stand-in's METADATA.
+SERVED = ("torch", "triton", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "numpy", "pillow")
+
+
+@lru_cache(maxsize=1)
+def kept_metadata() -> dict:
+    with open(KEPT_METADATA, "rb") as handle:
+        return tomllib.load(handle)["wheels"]
+
+
+def kept(name: str, version: str) -> dict:
+    """The kept metadata of `name==version` ({} when none is kept)."""
+    return kept_metadata().get(f"{normalize_project(name)}=={version}", {})
+
+
+def served_requires(name: str, version: str) -> tuple[str, ...]:
+    """The kept Requires-Dist of `name==version` that name a project the sandbox serves."""
+    requires = []
+    for line in kept(name, version).get("requires", []):
+        requirement = Requirement(line)
+        if normalize_project(requirement.name) in SERVED:
+            requires.append(line)
+    return tuple(requires)
+
+
+def _payload(name: str) -> str:
+    return (PAYLOAD / name).read_text()
 
 
 def _note(name: str, version: str) -> str:
@@ -122,30 +169,56 @@ def _note(name: str, version: str) -> str:
 
 
 def torch_wheel(version: str) -> WheelSpec:
-    """torch `version` ('2.9.1+cu130'); torch.version.cuda follows the label; no GPU is ever available."""
+    """torch `version` ('2.9.1+cu130'): torch.version.cuda of that build, the cuDNN of the installed
+    nvidia-cudnn wheel, never a GPU, placeholders for the rest (payload/torch_init.py)."""
     note = _note("PyTorch", version)
-    files = {
-        "torch/__init__.py": f'"""{note}."""\nfrom torch import cuda, version\n\n__version__ = version.__version__\n',
-        "torch/version.py": (f'"""{note}."""\n__version__ = "{version}"\ndebug = False\n'
-                             f'cuda = "{cuda_of(version)}"\ngit_version = "standin"\nhip = None\nxpu = None\n'),
-        "torch/cuda/__init__.py": _TORCH_CUDA.replace("@NOTE@", note),
-    }
-    return WheelSpec("torch", version, TORCH_TAG, files, (), note)
+    init = _payload("torch_init.py").replace("@NOTE@", note).replace("@VERSION@", version)
+    files = {"torch/__init__.py": init.replace("@CUDA@", cuda_of(version)), "torch/_standin.py": _payload("standin.py")}
+    return WheelSpec("torch", version, TORCH_TAG, files, served_requires("torch", version), note,
+                     tuple(kept("torch", version).get("extras", ())))
 
 
 def torch_companion_wheel(name: str, version: str, torch_version: str) -> WheelSpec:
-    """torchvision or torchaudio `version`, requiring torch==`torch_version` like the real ones."""
+    """torchvision or torchaudio `version`, with its kept requirements (torch==`torch_version` where
+    none are kept) and placeholders for its other names."""
     note = _note(name, version)
-    files = {f"{name}/__init__.py": f'"""{note}."""\nfrom {name} import version\n\n__version__ = version.__version__\n',
-             f"{name}/version.py": f'__version__ = "{version}"\ncuda = "{cuda_of(version)}"\n'}
-    return WheelSpec(name, version, TORCH_TAG, files, (f"torch=={torch_version}",), note)
+    files = {f"{name}/__init__.py": (f'"""{note}."""\nfrom {name} import _standin, version\n\n'
+                                     f"__version__ = version.__version__\n_standin.install(__name__)\n"),
+             f"{name}/version.py": f'__version__ = "{version}"\ncuda = "{cuda_of(version)}"\n',
+             f"{name}/_standin.py": _payload("standin.py").replace('ROOTS = ("torch", "triton", "torchvision")',
+                                                                    f'ROOTS = ("torch", "triton", "{name}")')}
+    requires = served_requires(name, version) if kept(name, version) else (f"torch=={torch_version}",)
+    return WheelSpec(name, version, TORCH_TAG, files, requires, note, tuple(kept(name, version).get("extras", ())))
+
+
+def triton_wheel(version: str) -> WheelSpec:
+    """triton `version`: the names SGLang imports, as placeholders (no GPU, no compiler)."""
+    note = _note("triton", version)
+    files = {"triton/__init__.py": (f'"""{note}."""\nfrom triton import _standin\n\n__version__ = "{version}"\n\n\n'
+                                    "def jit(function=None, **options):\n"
+                                    "    return (lambda f: f) if function is None else function\n\n\n"
+                                    "def cdiv(a, b):\n    return -(-a // b)\n\n\n"
+                                    "def next_power_of_2(n):\n    return 1 << (int(n) - 1).bit_length()\n\n\n"
+                                    "_standin.install(__name__)\n"),
+             "triton/_standin.py": _payload("standin.py"),
+             "triton/runtime/__init__.py": _TRITON_RUNTIME.replace("@NOTE@", note)}
+    return WheelSpec("triton", version, TORCH_TAG, files, (), note)
+
+
+def nvidia_cudnn_wheel(name: str, version: str) -> WheelSpec:
+    """nvidia-cudnn-cu13/-cu12 `version`: no library, only its version (what the stand-in torch reads)."""
+    return WheelSpec(name, version, "py3-none-manylinux_2_27_x86_64", {}, served_requires(name, version),
+                     _note(name, version))
 
 
 def sgl_kernel_wheel(version: str, dist: str = "sgl-kernel") -> WheelSpec:
-    """sgl-kernel (or its successor `dist` 'sglang-kernel'): module sgl_kernel with __version__."""
+    """sgl-kernel (or its successor `dist` 'sglang-kernel'): module sgl_kernel with __version__. A
+    kept `metadata_version` is what METADATA says where the file name has a label (+cu130)."""
     note = _note(dist, version)
+    metadata_version = kept(dist, version).get("metadata_version", version)
     files = {"sgl_kernel/__init__.py": f'"""{note}."""\n__version__ = "{Version(version).public}"\n'}
-    return WheelSpec(dist, version, SGL_KERNEL_TAG, files, (), note)
+    return WheelSpec(dist, metadata_version, SGL_KERNEL_TAG, files, served_requires(dist, version), note,
+                     file_version=version if metadata_version != version else "")
 
 
 def flashinfer_python_wheel(version: str) -> WheelSpec:
@@ -158,7 +231,8 @@ def flashinfer_python_wheel(version: str) -> WheelSpec:
         "flashinfer/jit/__init__.py": "from . import env as env\n",
         "flashinfer/jit/env.py": _FLASHINFER_ENV.replace("@NOTE@", note),
     }
-    return WheelSpec("flashinfer-python", version, PURE_TAG, files, ("torch",), note)
+    extras = tuple(kept("flashinfer-python", version).get("extras", ()))
+    return WheelSpec("flashinfer-python", version, PURE_TAG, files, ("torch",), note, extras)
 
 
 def flashinfer_cubin_wheel(version: str) -> WheelSpec:
@@ -195,6 +269,9 @@ def standin_wheel(name: str, version: str) -> WheelSpec:
         "flashinfer-cubin": lambda: flashinfer_cubin_wheel(version),
         "flashinfer-jit-cache": lambda: flashinfer_jit_cache_wheel(version),
         "cuda-python": lambda: metadata_only_wheel("cuda-python", version),
+        "triton": lambda: triton_wheel(version),
+        "nvidia-cudnn-cu13": lambda: nvidia_cudnn_wheel("nvidia-cudnn-cu13", version),
+        "nvidia-cudnn-cu12": lambda: nvidia_cudnn_wheel("nvidia-cudnn-cu12", version),
     }
     return builders[re.sub(r"[-_.]+", "-", name).lower()]()
 
@@ -225,23 +302,19 @@ def broken_wheel(wheel: Path, dest_dir: Path, kind: str) -> Path:
     return write_zip(out, entries)
 
 
-_TORCH_CUDA = '''"""@NOTE@."""
+# Real triton on a host without a GPU driver: asking for the active driver raises this.
+_TRITON_RUNTIME = '''"""@NOTE@: no GPU driver, as on a host without one."""
+from triton import _standin
 
 
-def is_available():
-    return False
+class _Driver:
+    @property
+    def active(self):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
 
 
-def device_count():
-    return 0
-
-
-def _no_driver(*args, **kwargs):
-    raise RuntimeError("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU "
-                       "and installed a driver from http://www.nvidia.com/Download/index.aspx")
-
-
-get_device_capability = get_device_name = current_device = synchronize = _no_driver
+driver = _Driver()
+_standin.install(__name__)
 '''
 
 _COMPANION = '''"""{note}."""
