@@ -9,7 +9,7 @@ step decides (the release this run leaves active) is passed to the next as an ar
 
 from pyinfra import host
 
-from operations import patches, preflight, service, speculation, toolkit, venv, verify
+from operations import patches, preflight, prestart, service, speculation, toolkit, venv, verify
 from servestack.pyinfra_hooks import index_deploy_file
 from servestack.settings import host_settings
 
@@ -19,7 +19,7 @@ index_deploy_file(__file__)  # pyinfra inspects this file's frame for every oper
 def host_reads(settings, release=None):
     """What the steps read of a host, each step's own list: read in one remote command at prepare
     (unless -y: preflight says why) and one at execute, right after the lock is taken (servestack/reads.py)."""
-    return [request for step in (preflight, toolkit, venv, patches, service, speculation, verify)
+    return [request for step in (preflight, toolkit, venv, patches, prestart, service, speculation, verify)
             for request in step.host_reads(settings, release)]
 
 
@@ -33,6 +33,7 @@ if preflight.preflight(reads=host_reads(settings),
         toolkit.cuda_toolkit()
         venv.build(release)
         patches.patches(release)
+        prestart.prestart(release)
         venv.activate(release)
         service.sglang_service(release)
         speculation.speculation(release)

@@ -52,3 +52,16 @@ def script(name: str, *args, env: dict | None = None) -> StringCommand:
 def atomic_write_command(path: str, text: str, mode: str = "644") -> str:
     """The one way to write a file on a host atomically: a temporary file beside it, then rename(2)."""
     return script_command("atomic-write.sh", path, mode, env={"CONTENT": text})
+
+
+PYTHON_HEREDOC = "__SERVESTACK_PYTHON__"
+
+
+def python_script_command(python: str, name: str, *args) -> str:
+    """`files/scripts/<name>` (Python) run by the host's `python` with its site-packages (a release's
+    own interpreter): `PYTHON -I - ARGS` with the file on standard input, nothing uploaded."""
+    text = (SCRIPTS / name).read_text()
+    if PYTHON_HEREDOC in text:
+        raise AssertionError(f"{name} must not contain {PYTHON_HEREDOC}")
+    words = " ".join(shlex.quote(str(argument)) for argument in args)
+    return f"{shlex.quote(python)} -I - {words} <<'{PYTHON_HEREDOC}'\n{text}\n{PYTHON_HEREDOC}"

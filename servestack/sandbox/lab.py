@@ -28,6 +28,7 @@ from servestack.manifest import DEFAULT_MANIFEST, PROJECT_ROOT, load_manifest
 from servestack.sandbox.hosts import Sandbox
 from servestack.sandbox.rootfs import cache_dir
 from servestack.sandbox.standins.build import ArtifactSet, build_artifacts
+from servestack.sandbox.standins.index import write_simple_index
 from servestack.sandbox.standins.host import dress_gpu_host
 from servestack.sandbox.standins.nvidia_smi import Gpu
 from servestack.sandbox.standins.runfile import RunfileInfo
@@ -60,7 +61,7 @@ def gpu_spec(model: str | None = None, capability: str | None = None, driver: st
 
 def _artifacts_key(runfile_mode: str) -> str:
     digest = hashlib.sha256(DEFAULT_MANIFEST.read_bytes())
-    for source in sorted(STANDINS_SOURCE.glob("*.py")):
+    for source in sorted(path for path in STANDINS_SOURCE.rglob("*") if path.is_file() and "__pycache__" not in path.parts):
         digest.update(source.read_bytes())
     return f"{runfile_mode}-{digest.hexdigest()[:12]}"
 
@@ -92,6 +93,20 @@ def _artifact_set(described: dict) -> ArtifactSet:
                        RunfileInfo(**described["runfile_info"]), Path(described["md5sum"]),
                        paths(described["indexes"]), paths(described["wheels"]),
                        paths(described["broken_indexes"]))
+
+
+def private_copy(artifacts: ArtifactSet, dest: Path) -> ArtifactSet:
+    """A copy of an artifact tree at `dest` made of hard links (an index page is replaced, never
+    written in place: index.py), and the set's paths in it."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["cp", "-al", str(artifacts.root), str(dest)], capture_output=True).returncode != 0:
+        subprocess.run(["rm", "-rf", str(dest)], check=True)
+        subprocess.run(["cp", "-a", str(artifacts.root), str(dest)], check=True)   # another filesystem
+    moved = lambda path: dest / Path(path).relative_to(artifacts.root)  # noqa: E731
+    return ArtifactSet(dest, moved(artifacts.runfile), artifacts.runfile_info, moved(artifacts.md5sum),
+                       {key: moved(value) for key, value in artifacts.indexes.items()},
+                       {key: moved(value) for key, value in artifacts.wheels.items()},
+                       {key: moved(value) for key, value in artifacts.broken_indexes.items()})
 
 
 def sandbox_manifest(path: Path, artifacts: ArtifactSet) -> Path:
@@ -130,13 +145,16 @@ class Lab:
         return self.sandbox.hosts
 
     def up(self, hosts: int, *, gpu: Gpu | None = None, user: str = "root", runfile_mode: str = "normal",
-           dress: bool = True, host_data: dict | None = None) -> Path:
-        """Boot the lab; return the path of its pyinfra inventory."""
+           dress: bool = True, host_data: dict | None = None, private_artifacts: bool = False) -> Path:
+        """Boot the lab; return the path of its pyinfra inventory. `private_artifacts`: serve a copy of
+        the artifact tree (hard links) that `serve_more` may add to, leaving the shared one as it is."""
         self.gpu = gpu or gpu_spec()
         self.artifacts = cached_artifacts(runfile_mode)
         pre_boot = (lambda host, root: self._dress(root)) if dress else None
         self.sandbox.up(hosts, pre_boot=pre_boot)
         try:
+            if private_artifacts:
+                self.artifacts = private_copy(self.artifacts, self.state_dir / "artifacts")
             self._start_server()
             manifest = sandbox_manifest(self.state_dir / "stack.toml", self.artifacts)
             self.sandbox.write_inventory(lambda host: self.host_data(host, manifest, host_data or {}), user)
@@ -167,6 +185,13 @@ class Lab:
             "service_health_timeout_s": 120,
             **extra,
         }
+
+    def serve_more(self, wheels: list[Path], upload_times: dict[str, str] | None = None) -> None:
+        """Add `wheels` to the pypi-like index this lab serves (a private copy: `up(private_artifacts=True)`),
+        with the `upload_times` given (file name -> RFC 3339; index.NEWER: after every stack's bound)."""
+        if not self.artifacts.root.is_relative_to(self.state_dir):
+            raise RuntimeError("serve_more needs a lab brought up with private_artifacts=True")
+        write_simple_index(self.artifacts.indexes["pypi"], wheels, upload_times)
 
     def server_url(self, host) -> str:
         return f"http://{host.controller_address}:{ARTIFACT_PORT}"

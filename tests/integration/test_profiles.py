@@ -9,6 +9,7 @@ import pytest
 
 from operations import service
 from pyinfra_run import apply
+from servestack.manifest import load_manifest
 from servestack.rehearse import Outcome, assign_profiles, profile_names, server_info, verify
 from servestack.sandbox.lab import sandbox_manifest
 from servestack.settings import settings_from_data
@@ -16,6 +17,8 @@ from servestack.settings import settings_from_data
 pytestmark = pytest.mark.integration
 
 SERVICE_OPERATIONS = ("Unit sglang.service", "Health-gated restart of sglang.service")
+STACK_OPERATIONS = ("Back up the ML environment", "Build release", "Apply SGLang source patches", "SGLang pre-start check",
+                    "Activate release", "Prune old releases", "Service JIT cache directory")
 
 
 def expected_arguments(lab, host, profile: str) -> list[str]:
@@ -33,8 +36,7 @@ def assert_serves(lab, chosen: dict[str, str]) -> None:
     for host in lab.hosts:
         info = server_info(lab, host)
         assert info["argv"] == expected_arguments(lab, host, chosen[host.name]), host.name
-        spec_v2 = info["environment"].get("SGLANG_ENABLE_SPEC_V2")
-        assert spec_v2 == ("1" if chosen[host.name] == "glm-5-mtp" else None), host.name
+        assert "SGLANG_ENABLE_SPEC_V2" not in info["environment"], host.name   # gone from 0.5.14 (GLM-5's stack)
 
 
 def test_a_host_of_each_profile_converges_verifies_and_then_changes_nothing(lab):
@@ -56,9 +58,16 @@ def test_a_host_of_each_profile_converges_verifies_and_then_changes_nothing(lab)
     assert (glm["speculative_algorithm"], glm["speculative_draft_model_path"], glm["kv_cache_dtype"],
             glm["quantization"], glm["disable_custom_all_reduce"]) == ("NEXTN", None, "bf16", "modelopt_fp4", True)
 
-    # A host changing profile: a unit change, restarted through the health gate; nothing else changes.
+    # A host changing profile gets its new profile's stack: a release of that stack is built, checked by
+    # SGLang, activated, and the unit restarted through the health gate; the toolkit is not touched.
     swapped = assign_profiles(the_lab, list(reversed(profiles)))
     switch = apply(the_lab)
     changed = changed_operations(switch)
-    assert changed and all(name.endswith(SERVICE_OPERATIONS) for name in changed), changed
+    for step in ("Build release", "SGLang pre-start check", "Activate release"):
+        assert any(name.endswith(step) for name in changed), (step, changed)
+    assert all(name.endswith(SERVICE_OPERATIONS + STACK_OPERATIONS) for name in changed), changed
     assert_serves(the_lab, swapped)
+    for host in the_lab.hosts:
+        stack = load_manifest().service["profiles"][swapped[host.name]]["stack"]
+        record = the_lab.exec(host, 'cat "$(dirname "$(readlink -f /opt/ml-env)")/release.json"', check=True).stdout
+        assert json.loads(record)["inputs"]["stack"] == stack, host.name

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from venv_lab import MANIFEST, RELEASES, ROLLBACK, UPGRADE, VENV, start_lab
+from venv_lab import RELEASES, ROLLBACK, STACK, UPGRADE, VENV, start_lab
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def test_rollback_returns_to_the_adopted_env_and_is_idempotent(lab):
     host = lab.sandbox.hosts[0]
     result, _ = lab.pyinfra(UPGRADE)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert torch_of(lab, host) == f"{MANIFEST.package('torch').version} 13.0"
+    assert torch_of(lab, host) == f"{STACK.package('torch').version} 13.0"
     new = link(lab, host)
     result, report = lab.pyinfra(ROLLBACK)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -59,7 +59,7 @@ def test_deploy_rolls_forward_without_rebuilding(lab):
     built = lab.sh(host, f"cat {RELEASES}/r-*/release.json")
     result, report = lab.pyinfra(UPGRADE)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert torch_of(lab, host) == f"{MANIFEST.package('torch').version} 13.0"
+    assert torch_of(lab, host) == f"{STACK.package('torch').version} 13.0"
     history = json.loads(lab.sh(host, "cat /var/lib/servestack/releases.json"))["activations"]
     assert [entry["by"] for entry in history] == ["adopt", "deploy", "rollback", "deploy"]
     assert lab.sh(host, f"cat {RELEASES}/r-*/release.json") == built  # re-activated, not rebuilt

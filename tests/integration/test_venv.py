@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from venv_lab import MANIFEST, RELEASES, ROLLBACK, UPGRADE, VENV, start_lab
+from venv_lab import RELEASES, ROLLBACK, STACK, UPGRADE, VENV, start_lab
 
 pytestmark = pytest.mark.integration
 STATE = "/var/lib/servestack"
@@ -43,9 +43,9 @@ def test_dry_run_changes_nothing_and_shows_the_package_diff(lab):
     result = lab.dry(UPGRADE, "--diff")
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
-    torch = MANIFEST.package("torch").version
+    torch = STACK.package("torch").version
     assert f"~ torch 2.9.1+cu128 -> {torch}" in output, output[-3000:]
-    assert f"+ sglang=={MANIFEST.package('sglang').version}" in output
+    assert f"+ sglang=={STACK.package('sglang').version}" in output
     assert lab.sh(host, f"ls -la {VENV}/ /opt; ls -R /var/lib/servestack 2>/dev/null; true") == before
 
 
@@ -57,8 +57,8 @@ def test_adopting_a_cu128_env_ends_cu130(lab):
     TIMINGS["cold"] = time.monotonic() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     after = python_report(lab, host)
-    assert after == {"torch": MANIFEST.package("torch").version, "cuda": "13.0",
-                     "flashinfer": MANIFEST.package("flashinfer-python").version, "prefix": VENV}
+    assert after == {"torch": STACK.package("torch").version, "cuda": "13.0",
+                     "flashinfer": STACK.package("flashinfer-python").version, "prefix": VENV}
     link = lab.sh(host, f"readlink {VENV}").strip()
     assert link.startswith(f"{RELEASES}/r-") and link.endswith("/venv")
     adopted = lab.sh(host, f"ls -d {RELEASES}/adopted-*").split()

@@ -27,6 +27,7 @@ PORT = 18080
 UPGRADE = "tests/integration/deploys/venv_upgrade.py"
 ROLLBACK = "tests/integration/deploys/venv_rollback.py"
 MANIFEST = load_manifest()
+STACK = MANIFEST.stacks[MANIFEST.service["profiles"][MANIFEST.service["profile"]]["stack"]]  # the default profile's
 VENV = MANIFEST.venv["path"]
 RELEASES = MANIFEST.venv["releases_dir"]
 

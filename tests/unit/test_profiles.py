@@ -26,6 +26,7 @@ from servestack.errors import ConfigError, ManifestError
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.sandbox.standins import fake_sglang_server
 from servestack.settings import MANAGED_FLAGS, host_keys, settings_from_data
+from tests.unit.sglang_venv import sglang_python
 
 MANIFEST = load_manifest()
 PROFILES = sorted(MANIFEST.service["profiles"])
@@ -163,9 +164,6 @@ def replayable(version: str) -> bool:
     return len(calls) > 100
 
 
-# sglang.srt.server_args of 0.5.14 imports these beyond what `import sglang` needs (found by importing it
-# in an empty venv until it succeeded, torch, torchvision and triton being the sandbox's stand-ins).
-SERVER_ARGS_DEPS = ("pyzmq", "openai", "partial-json-parser", "dill", "sentencepiece")
 PARSE = """
 import argparse, json, sys
 from sglang.srt.server_args import ServerArgs
@@ -174,29 +172,6 @@ ServerArgs.add_cli_args(parser)
 parser.error = lambda message: (print(json.dumps({"error": message})), sys.exit(0))
 print(json.dumps({"parsed": vars(parser.parse_args(json.loads(sys.argv[1])))}, default=str))
 """
-
-
-@lru_cache(maxsize=4)
-def sglang_python(version: str) -> Path:
-    """A venv holding the real sglang `version` on the sandbox's stand-ins of its stack (no GPU)."""
-    import shutil
-    import subprocess
-    import tempfile
-    from servestack.sandbox.standins.pypi import fetch_wheels
-    from servestack.sandbox.standins.sglang import import_deps
-    from servestack.sandbox.standins.wheels import build_wheel, standin_wheel
-    stack = next(stack for stack in MANIFEST.stacks.values() if stack.package("sglang").version == version)
-    work = Path(tempfile.mkdtemp(prefix=f"sglang-{version}-"))
-    uv = shutil.which("uv") or pytest.fail("uv is not on PATH: run the tests through ./servestack.sh test")
-    standins = [build_wheel(standin_wheel(name, stack.package(name).version), work / "standins")
-                for name in ("torch", "torchvision")] + [build_wheel(standin_wheel("triton", "3.6.0"), work / "standins")]
-    real = fetch_wheels([f"sglang=={version}"]) + fetch_wheels(
-        [*(name for name in import_deps(version) if name != "transformers"),
-         f"transformers=={stack.package('transformers').version}", "starlette", *SERVER_ARGS_DEPS], deps=True)
-    subprocess.run([uv, "venv", "--quiet", "--python", "python3", str(work / "venv")], check=True)
-    subprocess.run([uv, "pip", "install", "--quiet", "--no-deps", "--offline", "--python", str(work / "venv/bin/python"),
-                    *map(str, standins + real)], check=True)
-    return work / "venv" / "bin" / "python"
 
 
 def parse_real(argv: list[str], version: str = SGLANG) -> argparse.Namespace:
@@ -340,16 +315,19 @@ def test_the_glm_profile_unit_carries_its_environment_and_a_hosts_is_added():
                          service_extra_args=["--mem-fraction-static", "0.9"])
     release = service.release(s, "r-0123456789ab")
     text = service.render_unit(s, release, "ab" * 32)
-    assert "Environment=SGLANG_ENABLE_SPEC_V2=1\n" in text and "Environment=NCCL_P2P_DISABLE=1\n" in text
+    assert "Environment=NCCL_P2P_DISABLE=1\n" in text
+    # sglang 0.5.14 always runs the V2 worker and warns that SGLANG_ENABLE_SPEC_V2 was removed
+    assert "SGLANG_ENABLE_SPEC_V2" not in text
     assert service.launch_arguments(s)[-3:] == ["--disable-custom-all-reduce", "--mem-fraction-static", "0.9"]
-    kimi = profile_settings("kimi-k2.5-eagle3")
-    assert "SGLANG_ENABLE_SPEC_V2" not in service.render_unit(kimi, service.release(kimi, "r-0123456789ab"), None)
 
 
-def test_a_host_value_beats_its_profiles_and_the_profile_speculation_can_be_turned_off():
-    s = profile_settings("glm-5-mtp", service_env={"SGLANG_ENABLE_SPEC_V2": "0"},
+def test_a_host_value_beats_its_profiles_and_the_profile_speculation_can_be_turned_off(tmp_path):
+    path = manifest_with(tmp_path, lambda t: t.replace(
+        '# that the variable was removed (srt/arg_groups/speculative_hook.py L67-74).\nenv = {}',
+        'env = { NCCL_P2P_LEVEL = "SYS", NCCL_IB_DISABLE = "1" }'))
+    s = profile_settings("glm-5-mtp", servestack_manifest=str(path), service_env={"NCCL_IB_DISABLE": "0"},
                          service_speculative_algorithm="NONE", service_attention_backend="triton")
-    assert s.service_env == {"SGLANG_ENABLE_SPEC_V2": "0"}
+    assert s.service_env == {"NCCL_P2P_LEVEL": "SYS", "NCCL_IB_DISABLE": "0"}
     argv = service.launch_arguments(s)
     assert "--speculative-algorithm" not in argv and argv[argv.index("--attention-backend") + 1] == "triton"
 

@@ -1,11 +1,11 @@
 """Each profile's stack resolved against the REAL PyPI, and SGLang's start rules checked on the result.
 
-PyPI is reachable from every machine of this project, CI included. Only the wheels PyPI does not
-host (download.pytorch.org's torch 2.9.1+cu130 family, the GitHub release of sgl-kernel +cu130,
-flashinfer.ai's jit cache) are metadata-only stand-ins built from their kept Requires-Dist
-(servestack/sandbox/standins/kept_metadata.toml), served on loopback. The resolution is the one a
-host makes: the release's own pyproject.toml and overrides.txt (operations/releases.py), the same uv,
-the stack's upload-time bound, for CPython 3.12 on x86_64 (Ubuntu 24.04, the GPU hosts' system).
+PyPI is reachable from every machine of this project, CI included. The resolution is the one a host
+makes (servestack/sandbox/standins/closure.py): the release's own pyproject.toml and overrides.txt
+(operations/releases.py), the same uv, the stack's upload-time bound, for CPython 3.12 on x86_64
+(Ubuntu 24.04, the GPU hosts' system). Only the wheels PyPI does not host (download.pytorch.org's
+torch 2.9.1+cu130 family, the GitHub release of sgl-kernel +cu130, flashinfer.ai's jit cache) are
+metadata-only stand-ins built from their kept Requires-Dist (kept_metadata.toml), served on loopback.
 
 The start rules, each checked in the real artifact:
 - sglang 0.5.9 refuses a multimodal model on torch 2.9.1 with cuDNN < 9.15
@@ -18,7 +18,6 @@ The start rules, each checked in the real artifact:
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import shutil
 import subprocess
@@ -29,18 +28,12 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from operations.releases import release_plan
 from servestack.manifest import load_manifest
-from servestack.sandbox.artifacts import ArtifactServer
-from servestack.sandbox.standins.index import write_simple_index
+from servestack.sandbox.standins import closure
 from servestack.sandbox.standins.pypi import fetch_wheel
-from servestack.sandbox.standins.wheels import build_wheel, kept_metadata, standin_wheel
-from servestack.settings import settings_from_data
 
 MANIFEST = load_manifest()
-PYTHON = "3.12"
-PLATFORM = "x86_64-manylinux_2_35"
-TAG = "cp312-cp312-manylinux_2_28_x86_64"   # the tag of the real cp312 torch-family wheels
+PYTHON = "3.12"   # the GPU hosts' (Ubuntu 24.04)
 
 # The config type each profile's model declares (config.json "model_type"): KimiK25Config.model_type
 # in sglang 0.5.9 (srt/configs/kimi_k25.py); GLM-5's is transformers' glm_moe_dsa
@@ -50,57 +43,12 @@ MODEL_TYPES = {"kimi-k2.5-eagle3": "kimi_k25", "glm-5-mtp": "glm_moe_dsa"}
 MULTIMODAL = {"KimiK25ForConditionalGeneration"}
 
 
-def uv() -> str:
-    found = shutil.which("uv")
-    if not found:
-        pytest.fail("uv is not on PATH: run the tests through ./servestack.sh test, which installs it")
-    return found
-
-
-def _unreachable_wheels(dest: Path) -> dict[str, Path]:
-    """Metadata-only stand-ins, tagged for PYTHON, of every kept wheel PyPI does not host."""
-    built = {}
-    for key in kept_metadata():
-        name, version = key.split("==")
-        if "+" not in version:
-            continue   # PyPI hosts it: the real one is resolved
-        spec = dataclasses.replace(standin_wheel(name, version), requires=tuple(kept_metadata()[key]["requires"]))
-        if spec.tag.startswith("cp311"):
-            spec = dataclasses.replace(spec, tag=TAG)
-        built[name] = build_wheel(spec, dest)
-    return built
-
-
 @lru_cache(maxsize=4)
 def resolution(profile: str, manifest: str | None = None) -> dict[str, str]:
-    """{project: version} of `profile`'s stack, resolved as a host resolves it, on real PyPI (the
-    default manifest's, or that of the manifest file `manifest`)."""
-    import tempfile
-    work = Path(tempfile.mkdtemp(prefix="real-stack-"))
-    wheels = _unreachable_wheels(work / "wheels")
-    write_simple_index(work / "torch", [w for n, w in wheels.items() if n.startswith("torch")])
-    write_simple_index(work / "flashinfer", [w for n, w in wheels.items() if n.startswith("flashinfer")])
-    with ArtifactServer(work) as server:
-        data = {"service_profile": profile, "index_torch_url": f"{server.url}/torch",
-                "index_flashinfer_url": f"{server.url}/flashinfer", **({"servestack_manifest": manifest} if manifest else {})}
-        if "sgl-kernel" in wheels:
-            data["wheel_url_sgl_kernel"] = f"{server.url}/wheels/{wheels['sgl-kernel'].name}"
-        plan = release_plan(settings_from_data("real-1", data), "x86_64", f"{PYTHON}.3")
-        for name, text in plan.files.items():
-            (work / name).write_text(text)
-        out = subprocess.run(
-            [uv(), "pip", "compile", "pyproject.toml", "--quiet", "--no-config", "--overrides", "overrides.txt",
-             "--python-version", PYTHON, "--python-platform", PLATFORM, "--no-header", "--index-strategy",
-             "first-index", *plan.bound, "-o", "lock.txt"],
-            cwd=work, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lock = {}
-    for line in (work / "lock.txt").read_text().splitlines():
-        if line and not line.startswith((" ", "#")):
-            name, _, version = line.partition("==")
-            lock[name.strip().lower()] = version.strip() or line.split(" @ ")[0]
-    shutil.rmtree(work, ignore_errors=True)
-    return lock
+    """{project: version} of `profile`'s stack, resolved as a host on Python 3.12 resolves it, on the
+    real PyPI (the default manifest's stack, or that of the manifest file `manifest`)."""
+    stacks = (load_manifest(manifest) if manifest else MANIFEST).stacks
+    return closure.resolve(stacks[MANIFEST.service["profiles"][profile]["stack"]], PYTHON, manifest)
 
 
 @pytest.mark.parametrize("profile", sorted(MANIFEST.service["profiles"]))
@@ -133,6 +81,10 @@ def test_without_the_cudnn_override_the_kimi_stack_gets_torchs_own_cudnn_9_13(tm
     assert block in text
     (tmp_path / "stack.toml").write_text(text.replace(block, ""))
     assert resolution("kimi-k2.5-eagle3", str(tmp_path / "stack.toml"))["nvidia-cudnn-cu13"] == "9.13.0.50"
+
+
+def uv() -> str:
+    return shutil.which("uv") or pytest.fail("uv is not on PATH: run the tests through ./servestack.sh test")
 
 
 @lru_cache(maxsize=4)

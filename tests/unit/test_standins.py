@@ -20,16 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from packaging.requirements import Requirement
-
 from servestack.manifest import load_manifest
-from servestack.sandbox.standins import Gpu, build_artifacts, build_runfile, dress_gpu_host, render_nvidia_smi
-from servestack.sandbox.standins.index import write_simple_index
+from servestack.sandbox.standins import Gpu, build_artifacts, build_runfile, closure, dress_gpu_host, render_nvidia_smi
+from servestack.sandbox.standins.index import normalize_project, write_simple_index
 from servestack.sandbox.standins.pypi import fetch_wheel
 from servestack.sandbox.standins.runfile import runfile_info
-from servestack.sandbox.standins.sglang import cut_wheel, kept_projects, requirements_of
 from servestack.sandbox.standins.stack import reference_stack
 from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from tests.unit.standin_closure import build_with_requirements
 from servestack.sandbox.standins.wheels import (
     broken_wheel, build_wheel, metadata_only_wheel, record_hash, standin_wheel,
 )
@@ -305,41 +303,10 @@ def py(python: Path, code: str, **env) -> subprocess.CompletedProcess:
 
 #: Projects a stand-in requires unpinned that have no stand-in builder (the sandbox serves the real
 #: wheels); these tests put metadata-only wheels of them beside the stand-ins, at these versions.
-NO_STANDIN = {"numpy": "2.2.6", "pillow": "11.3.0"}
-
-
-def build_with_requirements(name: str, version: str, dest: Path) -> list[Path]:
-    """The stand-in `name==version` and, transitively, a wheel for each requirement it declares on
-    this platform (no extras): a stand-in at its `==` pin, or a NO_STANDIN metadata-only wheel. An
-    unpinned stand-in requirement (flashinfer-python's `torch`) is left to what else is built."""
-    built: dict[str, Path] = {}
-    pending = [(name, version)]
-    while pending:
-        project, pin = pending.pop()
-        if project in NO_STANDIN:
-            spec = metadata_only_wheel(project, NO_STANDIN[project])
-        else:
-            spec = standin_wheel(project, pin)
-        if spec.filename in built:
-            continue
-        built[spec.filename] = build_wheel(spec, dest)
-        for line in spec.requires:
-            requirement = Requirement(line)
-            if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
-                continue
-            pins = [item.version for item in requirement.specifier if item.operator == "=="]
-            project_name = requirement.name.lower().replace("_", "-")
-            if project_name in NO_STANDIN:
-                pending.append((project_name, NO_STANDIN[project_name]))
-            elif pins:
-                pending.append((project_name, pins[0]))
-    return list(built.values())
-
-
 @pytest.fixture(scope="module")
 def standin_dir(tmp_path_factory):
-    """Every stand-in wheel of the stack, old and new, with the stand-ins they require (the +cu130
-    torch family's nvidia-cudnn-cu13, triton, numpy and pillow)."""
+    """Every stand-in wheel of the stack, old and new, with a wheel for each thing they require (the
+    +cu130 torch family's nvidia libraries and triton, filelock, sympy, numpy, pillow, ...)."""
     out = tmp_path_factory.mktemp("wheels")
     for name, version in [("torch", "2.9.1+cu130"), ("torch", "2.9.1+cu128"), ("torch", "2.9.1"),
                           ("torchvision", "0.24.1+cu130"), ("torchaudio", "2.9.1+cu130"),
@@ -430,24 +397,22 @@ def artifacts(tmp_path_factory):
     return build_artifacts(tmp_path_factory.mktemp("artifacts") / "srv")
 
 
-def test_cut_sglang_keeps_the_real_files_and_conflicting_pins(tmp_path):
-    version = REFERENCE.package("sglang").version
-    real = fetch_wheel("sglang", version)
-    cut = cut_wheel(real, tmp_path, kept_projects(version))
-    assert cut.name == real.name
-    pins = sorted(str(requirement) for requirement in requirements_of(cut))
-    assert pins == ["IPython", "aiohttp", "cuda-python==12.9", "flashinfer_cubin==0.6.3", "flashinfer_python==0.6.3",
-                    "numpy", "pillow", "pybase64", "pydantic", "requests", "sgl-kernel==0.3.21", "torch==2.9.1",
-                    "torchaudio==2.9.1", "torchvision", "tqdm", "transformers==4.57.1"]
-    with zipfile.ZipFile(real) as before, zipfile.ZipFile(cut) as after:
-        changed = [name for name in before.namelist() if before.read(name) != after.read(name)]
-        assert sorted(before.namelist()) == sorted(after.namelist())
-        assert [name.rsplit("/", 1)[1] for name in changed] == ["METADATA", "RECORD"]
-        metadata_name = next(name for name in changed if name.endswith("METADATA"))
-        metadata = after.read(metadata_name)
-        record = after.read(metadata_name.replace("METADATA", "RECORD")).decode()
-        assert "STAND-IN (servestack sandbox)" in metadata.decode()
-    assert f"{metadata_name},{record_hash(metadata)},{len(metadata)}" in record.splitlines()
+def test_the_pypi_index_serves_each_stack_as_pypi_resolves_it_with_the_real_sglang(artifacts):
+    """Every package of each stack's real resolution (closure.py), at its version, from an upload time
+    before that stack's bound; sglang itself is PyPI's wheel, byte for byte."""
+    served = artifacts.indexes["pypi"]
+    times = json.loads((served / "upload-times.json").read_text())
+    for stack in MANIFEST.stacks.values():
+        elsewhere = {normalize_project(package.name) for package in stack.packages if package.index != "pypi"}
+        for project, version in closure.resolve(stack).items():
+            if project in elsewhere:
+                continue
+            found = [path for path in (served / project).glob("*.whl") if path.name.split("-")[1] == version]
+            assert len(found) == 1, (project, version, found)
+            assert times[found[0].name] < stack.exclude_newer, (found[0].name, times[found[0].name])
+        sglang = stack.package("sglang").version
+        (served_sglang,) = (served / "sglang").glob(f"sglang-{sglang}-*.whl")
+        assert served_sglang.read_bytes() == fetch_wheel("sglang", sglang).read_bytes()
 
 
 def test_artifact_tree_mirrors_the_manifest_urls(artifacts):
@@ -464,7 +429,7 @@ def test_artifact_tree_mirrors_the_manifest_urls(artifacts):
     uv_wheels = list((artifacts.indexes["pypi"] / "uv").glob(f"uv-{MANIFEST.uv['version']}-*manylinux*x86_64*.whl"))
     assert len(uv_wheels) == 1
     assert {path.name for path in artifacts.indexes["pypi"].iterdir()} >= {
-        "sglang", "torch", "flashinfer-python", "flashinfer-cubin", "sgl-kernel", "cuda-python", "numpy",
+        "sglang", "torch", "flashinfer-python", "flashinfer-cubin", "sglang-kernel", "cuda-python", "numpy",
         "nvidia-cudnn-cu13", "triton", "transformers", "pillow"}
 
 
@@ -489,26 +454,21 @@ def test_stack_installs_from_the_artifact_indexes(uv, tmp_path, artifacts):
     assert (out.returncode, out.stdout) == (0, f"{REFERENCE.package('sglang').version} 13.0 0.6.4 91600\n"), out.stderr
 
 
-def test_without_overrides_sglang_pulls_flashinfer_back(uv, tmp_path, artifacts):
+def test_upstream_sglang_release_is_served_for_the_patch_tests(uv, tmp_path, artifacts):
+    """sglang 0.5.10 (the release with upstream fixes) installs as the patch tests install it: alone."""
     python = uv.venv(tmp_path / "venv")
-    result = uv.install(python, "--index-url", artifacts.indexes["pypi"].as_uri(),
-                        f"sglang=={REFERENCE.package('sglang').version}")
+    result = uv.install(python, "--no-deps", "--index-url", artifacts.indexes["pypi"].as_uri(), "sglang==0.5.10")
     assert result.returncode == 0, result.stderr
-    assert "flashinfer-python==0.6.3" in result.stderr and "torch==2.9.1\n" in result.stderr
-
-
-def test_upstream_sglang_release_resolves_on_its_own_pins(uv, tmp_path, artifacts):
-    python = uv.venv(tmp_path / "venv")
-    result = uv.install(python, "--index-url", artifacts.indexes["pypi"].as_uri(), "sglang==0.5.10")
-    assert result.returncode == 0, result.stderr
-    assert py(python, "import sglang; print(sglang.__version__)").stdout == "0.5.10\n"
+    assert py(python, "import importlib.metadata as m; print(m.version('sglang'))").stdout == "0.5.10\n"
 
 
 @pytest.mark.parametrize("kind", ["corrupt_zip", "bad_metadata"])
 def test_broken_torch_index_fails(uv, tmp_path, artifacts, kind):
     """The broken torch fails the install, itself: what it requires comes from the pypi index, as in the deploy."""
     python = uv.venv(tmp_path / "venv")
-    result = uv.install(python, "--index-url", artifacts.indexes["pypi"].as_uri(),
+    overrides = tmp_path / "overrides.txt"   # as the deploy: the stack's pins of the default index win
+    overrides.write_text("".join(f"{p.requirement}\n" for p in REFERENCE.packages if p.index == "pypi"))
+    result = uv.install(python, "--index-url", artifacts.indexes["pypi"].as_uri(), "--overrides", overrides,
                         "--extra-index-url", artifacts.broken_indexes[kind].as_uri(), "torch==2.9.1+cu130")
     assert result.returncode != 0
     assert {"corrupt_zip": "The structure of `torch` (v2.9.1+cu130) was invalid",

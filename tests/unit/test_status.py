@@ -155,6 +155,17 @@ def test_a_stopped_service_since_when_and_a_missing_python(settings):
         "failed", "2026-01-07T09:58:00Z", 120)
 
 
+def test_a_service_systemd_gave_up_on_says_so_in_the_table(settings):
+    gave_up = {**unit("failed", "failed", UPTIME - 120), "Result": "start-limit-hit"}
+    found = host_status(settings, readings(unit=gave_up, http=health(None, "connection refused")))
+    assert found["service"]["result"] == "start-limit-hit"
+    cell = status.service_cell(found)
+    assert "failed (failed) since" in cell
+    assert "systemd gave up on sglang.service (Result=start-limit-hit)" in cell
+    crashed_once = {**unit("failed", "failed", UPTIME - 120), "Result": "exit-code"}
+    assert "result exit-code" in status.service_cell(host_status(settings, readings(unit=crashed_once)))
+
+
 def test_a_probe_without_a_report_says_what_it_printed(settings):
     found = host_status(settings, readings(http=Section(1, ("bash: python3: not found",))))
     assert found["service"]["health_error"] == "the HTTP probe gave no report: bash: python3: not found"

@@ -559,6 +559,18 @@ def test_a_stopped_service_fails(h200):
     assert result.detail == "sglang.service on h200 must be enabled and active: UnitFileState=enabled, ActiveState=inactive/running"
 
 
+def test_a_service_systemd_gave_up_on_is_named_so(h200):
+    """The unit's start limit (StartLimitBurst): systemd stops restarting a server that keeps exiting."""
+    settings = h200.settings()
+    readings = service_read(settings, active="failed")
+    readings.host.unit.update(SubState="failed", Result="start-limit-hit")
+    result = outcome("service_active", settings, readings)
+    assert result.status == FAILED
+    assert result.detail.startswith("systemd gave up on sglang.service (Result=start-limit-hit): its server kept "
+                                    "exiting until the unit's StartLimitBurst was reached")
+    assert "journalctl -u sglang.service" in result.detail and "ActiveState=failed/failed" in result.detail
+
+
 def test_the_live_environment_must_be_the_pinned_cuda_13_one(h200):
     settings = h200.settings(service_env={"NCCL_P2P_DISABLE": "1"})
     readings = service_read(settings, env={"LD_LIBRARY_PATH": f"/usr/local/cuda-12.8/lib64:{settings.cuda_install_path}/lib64",

@@ -3,10 +3,10 @@
 Uses the sandbox's stand-in wheel builders (servestack/sandbox/standins) with the versions of the
 manifest's reference stack (sglang-0.5.9), plus a stand-in sglang whose requirements are the real
 0.5.9 pins of the stack (torch==2.9.1, flashinfer 0.6.3, sgl-kernel==0.3.21, transformers==4.57.1):
-the conflicts the overrides must solve. What the stand-ins require in turn is served too: torch
-+cu130's own nvidia-cudnn-cu13 9.13.0.50 (which the stack's 9.16.0.29 overrides) and triton as
-stand-ins; numpy and pillow (torchvision's) and transformers, which have no stand-in, as
-metadata-only wheels.
+the conflicts the overrides must solve. What the stand-ins require in turn is served too
+(tests/unit/standin_closure.py): torch +cu130's own nvidia-cudnn-cu13 9.13.0.50 (which the stack's
+9.16.0.29 overrides), its other nvidia libraries and triton, numpy and pillow (torchvision's), and
+what has no code stand-in as metadata-only wheels.
 """
 
 from __future__ import annotations
@@ -19,47 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from packaging.requirements import Requirement
-
 from servestack.manifest import load_manifest
 from servestack.sandbox.standins.index import write_simple_index
 from servestack.sandbox.standins.stack import reference_stack
-from servestack.sandbox.standins.wheels import (
-    PURE_TAG, WheelSpec, broken_wheel, build_wheel, metadata_only_wheel, standin_wheel,
-)
+from servestack.sandbox.standins.wheels import PURE_TAG, WheelSpec, broken_wheel, build_wheel, standin_wheel
+from tests.unit.standin_closure import build_with_requirements
 
 SGLANG_PINS = ("torch==2.9.1", "torchaudio==2.9.1", "torchvision", "sgl-kernel==0.3.21",
                "flashinfer_python==0.6.3", "flashinfer_cubin==0.6.3", "transformers==4.57.1")
-
-#: Projects with no stand-in builder, served as metadata-only wheels at these versions (a stack pin
-#: among them at its pinned version, see build_index).
-NO_STANDIN = {"numpy": "2.2.6", "pillow": "11.3.0"}
-
-
-def _spec(name: str, version: str) -> WheelSpec:
-    """The stand-in of `name==version`; a metadata-only wheel for a project without one."""
-    if name in NO_STANDIN or name == "transformers":
-        return metadata_only_wheel(name, version)
-    return standin_wheel(name, version)
-
-
-def _required(specs: list[WheelSpec]) -> set[tuple[str, str]]:
-    """(project, version) of what `specs` require on this platform (no extras): their `==` pins, and
-    NO_STANDIN projects; an unpinned stand-in requirement (flashinfer's `torch`) is served anyway."""
-    wanted = set()
-    for spec in specs:
-        for line in spec.requires:
-            requirement = Requirement(line)
-            if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
-                continue
-            project = requirement.name.lower().replace("_", "-")
-            pins = [item.version for item in requirement.specifier if item.operator == "=="]
-            if project in NO_STANDIN:
-                wanted.add((project, NO_STANDIN[project]))
-            elif pins:
-                wanted.add((project, pins[0]))
-    return wanted
-
 
 def _relabel(version: str, label: str | None) -> str:
     public = version.split("+")[0]
@@ -98,18 +65,16 @@ def build_index(root: Path, torch_label: str = "cu130", broken_torch: str | None
     torch_specs = [standin_wheel(p.name, _relabel(p.version, torch_label)) for p in stack.packages
                    if p.index == "torch"]
     torch_index = [build_wheel(spec, work / "torch") for spec in torch_specs]
-    # sglang's own pins, the stack's pins of this index, and what the torch index's stand-ins require
-    wanted = {("torch", "2.9.1"), ("sgl-kernel", "0.3.21"), ("flashinfer-python", "0.6.3"),
-              ("flashinfer-cubin", "0.6.3"), ("flashinfer-jit-cache", "0.6.4")}
-    wanted |= {(p.name, p.version) for p in stack.packages if p.index == "pypi" and p.name != "sglang"}
-    wanted |= _required(torch_specs)
-    built: dict[tuple[str, str], Path] = {}
-    while pending := sorted(wanted - built.keys()):
-        for name, version in pending:
-            spec = _spec(name, version)
-            built[(name, version)] = build_wheel(spec, work / "pypi")
-            wanted |= _required([spec])
-    pypi += built.values()
+    # sglang's own pins, the stack's pins of this index, and what each requires in turn (the torch
+    # index's stand-ins too: their nvidia libraries, triton, filelock, ...), one wheel per requirement
+    built: dict = {}
+    wanted = [("torch", "2.9.1"), ("sgl-kernel", "0.3.21"), ("flashinfer-python", "0.6.3"),
+              ("flashinfer-cubin", "0.6.3"), ("flashinfer-jit-cache", "0.6.4")]
+    wanted += [(p.name, p.version) for p in stack.packages if p.index == "pypi" and p.name != "sglang"]
+    for name, version in wanted:
+        pypi += build_with_requirements(name, version, work / "pypi", built)
+    for spec in torch_specs:
+        pypi += build_with_requirements(spec.name, spec.version, work / "requirements", built)[1:]
     if broken_torch:
         torch_index = [broken_wheel(w, work / "broken", broken_torch) if w.name.startswith("torch-") else w
                        for w in torch_index]

@@ -5,10 +5,10 @@ at the sandbox only swaps the scheme and host part (`ArtifactSet.url`, `Artifact
 
 - HOST/.../local_installers/<runfile>: the stand-in CUDA runfile (runfile.py), and NVIDIA's
   .../docs/sidebar/md5sum.txt beside it;
-- pypi.org/simple/: the cut-down real sglang (manifest version and 0.5.10), the real uv wheel,
-  the real wheels `import sglang` needs, and stand-ins for every stack pin of those sglang
-  releases (torch==2.9.1 as PyPI's CUDA 12.8 build, flashinfer 0.6.3, ...) and for the
-  manifest's PyPI packages (flashinfer 0.6.4);
+- pypi.org/simple/: for each stack of the manifest, every package of its real resolution from
+  PyPI (closure.py): the real sglang wheel and the real wheels SGLang imports before any GPU work
+  (sglang.py), stand-ins carrying their real metadata for the rest (torch 2.11.0, the nvidia-*
+  libraries, ...); the real sglang 0.5.10 (upstream patch tests) and uv wheels;
 - download.pytorch.org/whl/cu130/ (manifest 'torch' index) and its cu128 sibling: stand-in
   torch/torchvision/torchaudio builds;
 - flashinfer.ai/whl/cu130/: the stand-in flashinfer-jit-cache;
@@ -21,19 +21,18 @@ from __future__ import annotations
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
-from packaging.requirements import Requirement
-from packaging.version import Version
-
+from servestack.manifest import Stack
+from servestack.sandbox.standins import closure
 from servestack.sandbox.standins.index import normalize_project, write_simple_index
 from servestack.sandbox.standins.pypi import fetch_wheels
 from servestack.sandbox.standins.runfile import RunfileInfo, build_runfile, runfile_info, write_md5sum
-from servestack.manifest import Stack
-from servestack.sandbox.standins.sglang import UPSTREAM_PATCHED_VERSION, import_deps, requirements_of, sglang_wheel
-from servestack.sandbox.standins.stack import manifest, old_label, reference_stack, target_label, with_label
-from servestack.sandbox.standins.wheels import BROKEN_KINDS, broken_wheel, build_wheel, standin_wheel
+from servestack.sandbox.standins.sglang import UPSTREAM_PATCHED_VERSION, server_args_imports
+from servestack.sandbox.standins.stack import manifest, old_label, target_label, with_label
+from servestack.sandbox.standins.wheels import BROKEN_KINDS, CODE_STANDINS, broken_wheel, build_wheel, standin_wheel
 
 
 def mirror_path(url: str) -> PurePosixPath:
@@ -84,75 +83,46 @@ class ArtifactSet:
         return data
 
 
-#: What a stand-in's unpinned requirement resolves to where no stack pins the project: the version a
-#: real resolution of the stack picks under its exclude_newer bound (uv 0.13.9 against PyPI,
-#: 2026-12-02: sglang 0.5.14's `cuda-python>=13.0` -> 13.3.1).
-UNPINNED = {"cuda-python": "13.3.1"}
+def stack_wheels(stack: Stack, work: Path) -> list[Path]:
+    """What the pypi-like index serves for one stack: every package of its real resolution from PyPI
+    (closure.resolve), real where SGLang imports it before any GPU work, else a stand-in carrying its
+    real metadata (a code stand-in where one exists, metadata-only otherwise)."""
+    lock = closure.resolve(stack)
+    elsewhere = {normalize_project(package.name) for package in stack.packages if package.index != "pypi"}
+    pins = {name: version for name, version in lock.items() if name not in elsewhere}
+    metadata = closure.pypi_metadata(pins)
+    roots = set(server_args_imports(pins["sglang"])) & set(pins)
+    real = closure.requirements_closure(roots, metadata, stop=standin_projects(pins)) | {"sglang"}
+    served = fetch_wheels(sorted(f"{name}=={pins[name]}" for name in real))
+    served += [build_wheel(standin_wheel(name, pins[name], metadata[name]), work / "standins")
+               for name in sorted(set(pins) - real)]
+    return served
 
 
-def _stack_version(name: str, stack: Stack) -> str:
-    try:
-        return Version(stack.package(name).version).public
-    except KeyError:
-        return UNPINNED[normalize_project(name)]
-
-
-def _standins_required(requirements: list[Requirement], stack: Stack, real: set[str]) -> set[tuple[str, str]]:
-    """(project, version) of the stand-ins `requirements` need, pins as pinned, unpinned ones at the
-    stack's version; projects served as real wheels (`real`) left out."""
-    wanted = set()
-    for requirement in requirements:
-        project = normalize_project(requirement.name)
-        if project in real or "extra" in str(requirement.marker or ""):
-            continue
-        pins = [spec.version for spec in requirement.specifier if spec.operator == "=="]
-        wanted.add((project, pins[0] if pins else _stack_version(project, stack)))
-    return wanted
-
-
-def _stack_standins(sglang: Path, stack: Stack, work: Path) -> list[Path]:
-    """The stand-ins of the pypi index one stack's sglang and pins need: its pins of the pypi index,
-    every stand-in the cut-down sglang or the stack's other pins (torch's index, direct wheels)
-    require, and what those require in turn."""
-    real = {normalize_project(name) for name in import_deps(stack.package("sglang").version)}
-    wanted = {(package.name, package.version) for package in stack.packages
-              if package.index == "pypi" and normalize_project(package.name) not in real | {"sglang"}}
-    wanted |= _standins_required(requirements_of(sglang), stack, real)
-    for package in stack.packages:
-        if package.index != "pypi":
-            spec = standin_wheel(package.name, package.version)
-            wanted |= _standins_required([Requirement(line) for line in spec.requires], stack, real)
-    built: dict[tuple[str, str], Path] = {}
-    while pending := sorted(wanted - built.keys()):
-        for name, version in pending:
-            built[(name, version)] = build_wheel(standin_wheel(name, version), work / "standins")
-            wanted |= _standins_required(requirements_of(built[(name, version)]), stack, real)
-    return list(built.values())
-
-
-def _import_dep_requirements(sglang: Path) -> list[str]:
-    real = {normalize_project(name) for name in import_deps(_version_of(sglang))}
-    return sorted({str(requirement) for requirement in requirements_of(sglang)
-                   if normalize_project(requirement.name) in real})
+def standin_projects(pins: dict[str, str]) -> set[str]:
+    """The projects served as stand-ins whatever needs them: those with code stand-ins and the CUDA
+    libraries (nvidia-*, cuda-*)."""
+    return {name for name in pins if name in CODE_STANDINS or name.startswith(("nvidia-", "cuda-"))}
 
 
 def _version_of(wheel: Path) -> str:
+    """The version a wheel's file name says."""
     return wheel.name.split("-")[1]
 
 
-def _pypi_wheels(work: Path) -> list[Path]:
-    """Everything the pypi-like index serves (see the module docstring)."""
-    served = []
-    stacks = list(manifest().stacks.values())
-    # The release with upstream fixes ('upstream patch' tests) stands beside the reference stack.
-    pairs = [(stack, stack.package("sglang").version) for stack in stacks]
-    pairs.append((reference_stack(), UPSTREAM_PATCHED_VERSION))
-    for stack, version in pairs:
-        sglang = sglang_wheel(version, work / "sglang")
-        served += [sglang, *_stack_standins(sglang, stack, work)]
-        served += fetch_wheels(_import_dep_requirements(sglang) + ["pillow"], deps=True)
-    served += fetch_wheels([f"uv=={manifest().uv['version']}"])
-    return sorted(set(served))
+def _pypi_wheels(work: Path) -> tuple[list[Path], dict[str, str]]:
+    """Everything the pypi-like index serves (see the module docstring), and each file's upload time:
+    an hour before the earliest bound of the stacks that resolve it. So each stack resolves here what
+    it resolves on PyPI: a version a later stack picks stays out of an earlier stack's resolution,
+    as its real upload after that bound keeps it out there."""
+    served, times = [], {}
+    for stack in sorted(manifest().stacks.values(), key=lambda stack: stack.exclude_newer, reverse=True):
+        before = (datetime.strptime(stack.exclude_newer, "%Y-%m-%dT%H:%M:%SZ") - timedelta(hours=1))
+        for wheel in stack_wheels(stack, work):
+            served.append(wheel)
+            times[wheel.name] = before.strftime("%Y-%m-%dT%H:%M:%SZ")
+    served += fetch_wheels([f"sglang=={UPSTREAM_PATCHED_VERSION}", f"uv=={manifest().uv['version']}"])
+    return sorted(set(served)), times
 
 
 def _index_wheels(index: str, label: str, work: Path) -> list[Path]:
@@ -185,7 +155,7 @@ def build_artifacts(dest: Path, *, runfile_mode: str = "normal") -> ArtifactSet:
         work = Path(work)
         torch_wheels = _index_wheels("torch", target_label(), work)
         indexes = {
-            "pypi": write_simple_index(dest / mirror_path(manifest().indexes["pypi"]), _pypi_wheels(work)),
+            "pypi": write_simple_index(dest / mirror_path(manifest().indexes["pypi"]), *_pypi_wheels(work)),
             "torch": write_simple_index(dest / mirror_path(manifest().indexes["torch"]), torch_wheels),
             f"torch-{old_label()}": write_simple_index(dest / mirror_path(old_torch_index_url()),
                                                        _index_wheels("torch", old_label(), work)),

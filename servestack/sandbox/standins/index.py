@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import json
 import re
 import shutil
 from pathlib import Path
@@ -33,12 +34,12 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-#: The upload time the stand-in indexes give every file (`data-upload-time`, PEP 700, which uv reads
-#: from HTML pages too): before every stack's exclude_newer bound, as the real files' are. uv drops a
-#: file without one from a resolution under a bound. A file given as newer (`newer`) carries NEWER.
+#: The upload time a stand-in index gives a file it is told nothing of (`data-upload-time`, PEP 700,
+#: which uv reads from HTML pages too; uv drops a file without one from a resolution under a bound).
+#: build.py gives each stack's files a time before that stack's bound; NEWER is after every bound.
 UPLOAD_TIME = "2025-01-01T00:00:00Z"
 NEWER = "2099-01-01T00:00:00Z"
-NEWER_LIST = "newer-files.txt"  # at the index's root: the files given NEWER, kept across additions
+TIMES_FILE = "upload-times.json"  # at the index's root: the times given, kept across additions
 
 
 def _page(title: str, links: list[tuple[str, str]], times: dict[str, str] | None = None) -> str:
@@ -62,23 +63,31 @@ def _place(wheel: Path, directory: Path) -> Path:
     return target
 
 
-def write_simple_index(root: Path, wheels: list[Path], newer: frozenset[str] = frozenset()) -> Path:
-    """Lay out a PEP 503 index of `wheels` at `root` (added to what is there); return `root`. Every
-    file has UPLOAD_TIME, those named in `newer` (file names) NEWER."""
+def write_simple_index(root: Path, wheels: list[Path], upload_times: dict[str, str] | None = None) -> Path:
+    """Lay out a PEP 503 index of `wheels` at `root` (added to what is there); return `root`. A file
+    has the upload time `upload_times` (file name -> RFC 3339) gives it now or gave it before, else
+    UPLOAD_TIME."""
     root = Path(root)
     for wheel in wheels:
         directory = root / project_of(wheel)
         directory.mkdir(parents=True, exist_ok=True)
         _place(Path(wheel), directory)
-    newer_list = root / NEWER_LIST
-    newer = set(newer) | set(newer_list.read_text().split() if newer_list.exists() else ())
-    if newer:
-        newer_list.write_text("".join(f"{name}\n" for name in sorted(newer)))
+    times_file = root / TIMES_FILE
+    times = {**(json.loads(times_file.read_text()) if times_file.exists() else {}), **(upload_times or {})}
+    if times:
+        _replace(times_file, json.dumps(times, indent=1, sort_keys=True))
     projects = sorted(path.name for path in root.iterdir() if path.is_dir())
     for project in projects:
         files = sorted(path for path in (root / project).iterdir() if path.suffix == ".whl")
         links = [(f"{quote(file.name)}#sha256={sha256_of(file)}", file.name) for file in files]
-        times = {file.name: NEWER if file.name in newer else UPLOAD_TIME for file in files}
-        (root / project / "index.html").write_text(_page(f"Links for {project}", links, times))
-    (root / "index.html").write_text(_page("Simple index", [(f"{project}/", project) for project in projects]))
+        page_times = {file.name: times.get(file.name, UPLOAD_TIME) for file in files}
+        _replace(root / project / "index.html", _page(f"Links for {project}", links, page_times))
+    _replace(root / "index.html", _page("Simple index", [(f"{project}/", project) for project in projects]))
     return root
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` as a new file (a hard-linked copy of a tree keeps the old page)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)

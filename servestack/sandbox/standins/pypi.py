@@ -20,7 +20,9 @@ from pathlib import Path
 from servestack.sandbox.rootfs import cache_dir
 from servestack.sandbox.standins.stack import HOST_PYTHON
 
-HOST_PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+#: Every manylinux tag glibc 2.36 accepts (pip takes them one by one; uv's x86_64-manylinux_2_34 means all).
+HOST_PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(36, 4, -1)) + (
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")
 
 
 def _pip() -> list[str]:
@@ -30,19 +32,25 @@ def _pip() -> list[str]:
     return [pip]
 
 
-def _pip_env() -> dict[str, str]:
+def pip_environment() -> dict[str, str]:
+    """pip with no config file and without this machine's find-links: only PyPI answers."""
     env = {key: value for key, value in os.environ.items() if key != "PIP_FIND_LINKS"}
     env["PIP_CONFIG_FILE"] = os.devnull
     return env
 
 
-def download_command(requirements: list[str], dest: Path, *, deps: bool) -> list[str]:
-    """The pip command downloading `requirements` (and their dependencies if `deps`) for the hosts."""
-    command = _pip() + ["download", "--quiet", "--only-binary=:all:", "--dest", str(dest),
-                        "--python-version", HOST_PYTHON, "--implementation", "cp",
-                        "--abi", "cp" + HOST_PYTHON.replace(".", "")]
+def pip_command(subcommand: str, python: str = HOST_PYTHON) -> list[str]:
+    """`pip <subcommand>` for the hosts' platform: CPython `python` on x86_64, wheels only."""
+    command = _pip() + [subcommand, "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
+                        "--abi", "cp" + python.replace(".", "")]
     for platform in HOST_PLATFORMS:
         command += ["--platform", platform]
+    return command
+
+
+def download_command(requirements: list[str], dest: Path, *, deps: bool) -> list[str]:
+    """The pip command downloading `requirements` (and their dependencies if `deps`) for the hosts."""
+    command = pip_command("download") + ["--quiet", "--dest", str(dest)]
     if not deps:
         command.append("--no-deps")
     return command + list(requirements)
@@ -62,7 +70,7 @@ def fetch_wheels(requirements: list[str], *, deps: bool = False) -> list[Path]:
         work = Path(tempfile.mkdtemp(prefix=".partial-", dir=entry.parent))
         work.chmod(0o755)
         try:
-            subprocess.run(download_command(requirements, work, deps=deps), check=True, env=_pip_env())
+            subprocess.run(download_command(requirements, work, deps=deps), check=True, env=pip_environment())
             files = sorted(path.name for path in work.glob("*.whl"))
             (work / "complete.json").write_text(json.dumps({"requirements": requirements, "files": files}))
             shutil.rmtree(entry, ignore_errors=True)

@@ -12,6 +12,7 @@ flashinfer-jit-cache (the same conditions and messages as flashinfer 0.6.4's
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import re
 import zipfile
@@ -134,11 +135,6 @@ def cuda_of(version: str) -> str:
 
 KEPT_METADATA = Path(__file__).with_name("kept_metadata.toml")
 PAYLOAD = Path(__file__).with_name("payload")
-#: The projects among the kept requirements that the sandbox serves today (as stand-ins); a kept
-#: requirement of another project is left out of the stand-in's METADATA.
-SERVED = ("torch", "triton", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "numpy", "pillow")
-
-
 @lru_cache(maxsize=1)
 def kept_metadata() -> dict:
     with open(KEPT_METADATA, "rb") as handle:
@@ -150,14 +146,13 @@ def kept(name: str, version: str) -> dict:
     return kept_metadata().get(f"{normalize_project(name)}=={version}", {})
 
 
-def served_requires(name: str, version: str) -> tuple[str, ...]:
-    """The kept Requires-Dist of `name==version` that name a project the sandbox serves."""
-    requires = []
-    for line in kept(name, version).get("requires", []):
-        requirement = Requirement(line)
-        if normalize_project(requirement.name) in SERVED:
-            requires.append(line)
-    return tuple(requires)
+def declared(name: str, version: str, metadata: dict | None = None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(Requires-Dist, Provides-Extra) the real wheel declares: from `metadata` (PyPI's, as
+    closure.pypi_metadata reads it) or the kept metadata; None when neither knows it."""
+    if metadata is not None:
+        return tuple(metadata.get("requires_dist") or ()), tuple(metadata.get("provides_extra") or ())
+    known = kept(name, version)
+    return (tuple(known["requires"]), tuple(known.get("extras", ()))) if known else None
 
 
 def _payload(name: str) -> str:
@@ -174,21 +169,19 @@ def torch_wheel(version: str) -> WheelSpec:
     note = _note("PyTorch", version)
     init = _payload("torch_init.py").replace("@NOTE@", note).replace("@VERSION@", version)
     files = {"torch/__init__.py": init.replace("@CUDA@", cuda_of(version)), "torch/_standin.py": _payload("standin.py")}
-    return WheelSpec("torch", version, TORCH_TAG, files, served_requires("torch", version), note,
-                     tuple(kept("torch", version).get("extras", ())))
+    return WheelSpec("torch", version, TORCH_TAG, files, (), note)
 
 
 def torch_companion_wheel(name: str, version: str, torch_version: str) -> WheelSpec:
-    """torchvision or torchaudio `version`, with its kept requirements (torch==`torch_version` where
-    none are kept) and placeholders for its other names."""
+    """torchvision or torchaudio `version` (requiring torch==`torch_version` unless its real
+    requirements are known) with placeholders for its other names."""
     note = _note(name, version)
     files = {f"{name}/__init__.py": (f'"""{note}."""\nfrom {name} import _standin, version\n\n'
                                      f"__version__ = version.__version__\n_standin.install(__name__)\n"),
              f"{name}/version.py": f'__version__ = "{version}"\ncuda = "{cuda_of(version)}"\n',
              f"{name}/_standin.py": _payload("standin.py").replace('ROOTS = ("torch", "triton", "torchvision")',
                                                                     f'ROOTS = ("torch", "triton", "{name}")')}
-    requires = served_requires(name, version) if kept(name, version) else (f"torch=={torch_version}",)
-    return WheelSpec(name, version, TORCH_TAG, files, requires, note, tuple(kept(name, version).get("extras", ())))
+    return WheelSpec(name, version, TORCH_TAG, files, (f"torch=={torch_version}",), note)
 
 
 def triton_wheel(version: str) -> WheelSpec:
@@ -207,8 +200,7 @@ def triton_wheel(version: str) -> WheelSpec:
 
 def nvidia_cudnn_wheel(name: str, version: str) -> WheelSpec:
     """nvidia-cudnn-cu13/-cu12 `version`: no library, only its version (what the stand-in torch reads)."""
-    return WheelSpec(name, version, "py3-none-manylinux_2_27_x86_64", {}, served_requires(name, version),
-                     _note(name, version))
+    return WheelSpec(name, version, "py3-none-manylinux_2_27_x86_64", {}, (), _note(name, version))
 
 
 def sgl_kernel_wheel(version: str, dist: str = "sgl-kernel") -> WheelSpec:
@@ -217,7 +209,7 @@ def sgl_kernel_wheel(version: str, dist: str = "sgl-kernel") -> WheelSpec:
     note = _note(dist, version)
     metadata_version = kept(dist, version).get("metadata_version", version)
     files = {"sgl_kernel/__init__.py": f'"""{note}."""\n__version__ = "{Version(version).public}"\n'}
-    return WheelSpec(dist, metadata_version, SGL_KERNEL_TAG, files, served_requires(dist, version), note,
+    return WheelSpec(dist, metadata_version, SGL_KERNEL_TAG, files, (), note,
                      file_version=version if metadata_version != version else "")
 
 
@@ -231,8 +223,7 @@ def flashinfer_python_wheel(version: str) -> WheelSpec:
         "flashinfer/jit/__init__.py": "from . import env as env\n",
         "flashinfer/jit/env.py": _FLASHINFER_ENV.replace("@NOTE@", note),
     }
-    extras = tuple(kept("flashinfer-python", version).get("extras", ()))
-    return WheelSpec("flashinfer-python", version, PURE_TAG, files, ("torch",), note, extras)
+    return WheelSpec("flashinfer-python", version, PURE_TAG, files, ("torch",), note)
 
 
 def flashinfer_cubin_wheel(version: str) -> WheelSpec:
@@ -252,14 +243,15 @@ def flashinfer_jit_cache_wheel(version: str) -> WheelSpec:
 
 
 def metadata_only_wheel(name: str, version: str) -> WheelSpec:
-    """A wheel with no module (e.g. cuda-python, a meta-package upstream)."""
+    """A wheel with no files but its metadata: a package the sandbox serves but nothing imports there
+    (a CUDA library, a kernel package, what only the GPU server loads)."""
     return WheelSpec(name, version, PURE_TAG, {}, (), _note(name, version))
 
 
-def standin_wheel(name: str, version: str) -> WheelSpec:
-    """The stand-in of project `name` (any spelling) at `version`; KeyError for projects without one."""
+#: The projects whose stand-ins hold code (the rest of a stack is served real, or metadata-only).
+def _builders(version: str) -> dict:
     torch = Version(package_version("torch")).public
-    builders = {
+    return {
         "torch": lambda: torch_wheel(version),
         "torchvision": lambda: torch_companion_wheel("torchvision", version, torch),
         "torchaudio": lambda: torch_companion_wheel("torchaudio", version, torch),
@@ -268,12 +260,24 @@ def standin_wheel(name: str, version: str) -> WheelSpec:
         "flashinfer-python": lambda: flashinfer_python_wheel(version),
         "flashinfer-cubin": lambda: flashinfer_cubin_wheel(version),
         "flashinfer-jit-cache": lambda: flashinfer_jit_cache_wheel(version),
-        "cuda-python": lambda: metadata_only_wheel("cuda-python", version),
         "triton": lambda: triton_wheel(version),
         "nvidia-cudnn-cu13": lambda: nvidia_cudnn_wheel("nvidia-cudnn-cu13", version),
         "nvidia-cudnn-cu12": lambda: nvidia_cudnn_wheel("nvidia-cudnn-cu12", version),
     }
-    return builders[re.sub(r"[-_.]+", "-", name).lower()]()
+
+
+CODE_STANDINS = frozenset(_builders("0"))
+
+
+def standin_wheel(name: str, version: str, metadata: dict | None = None) -> WheelSpec:
+    """The stand-in of project `name` (any spelling) at `version`, declaring what the real wheel
+    declares (`metadata` from PyPI, else the kept metadata); a project without a code stand-in
+    is metadata-only."""
+    project = normalize_project(name)
+    builder = _builders(version).get(project)
+    spec = builder() if builder else metadata_only_wheel(name, version)
+    known = declared(project, version, metadata)
+    return dataclasses.replace(spec, requires=known[0], extras=known[1]) if known else spec
 
 
 BROKEN_KINDS = ("corrupt_zip", "bad_metadata")

@@ -19,7 +19,7 @@ import types
 ROOTS = ("torch", "triton", "torchvision")
 # Names a placeholder must not have: asking for them is how Python and libraries probe an object
 # (a real CUDA torch has no torch.npu, torch.hpu or torch.musa).
-ABSENT = {"npu", "hpu", "musa", "mps", "_fields", "_is_protocol", "__path__", "__file__", "__wrapped__"}
+ABSENT = {"npu", "hpu", "musa", "_fields", "_is_protocol", "__path__", "__file__", "__wrapped__"}
 
 
 def _absent(name):
@@ -30,6 +30,8 @@ class _PlaceholderMeta(abc.ABCMeta):
     def __getattr__(cls, name):
         if _absent(name):
             raise AttributeError(name)
+        if name == "name":   # e.g. torch.library.Library(...).m.name: code builds attribute names from it
+            return cls._standin_name.rsplit(".", 1)[-1]
         made = placeholder(cls._standin_name + "." + name)
         setattr(cls, name, made)
         return made
@@ -64,6 +66,8 @@ class _Placeholder(metaclass=_PlaceholderMeta):
     def __getattr__(self, name):
         if _absent(name):
             raise AttributeError(name)
+        if name == "name":
+            return type(self)._standin_name.rsplit(".", 1)[-1]
         return placeholder(type(self)._standin_name + "()." + name)
 
     def __call__(self, *args, **kwargs):
