@@ -27,10 +27,8 @@ from servestack.sandbox.standins.pypi import fetch_wheel
 from servestack.sandbox.standins.runfile import runfile_info
 from servestack.sandbox.standins.stack import reference_stack
 from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from servestack.sandbox.standins.wheels import broken_wheel
 from tests.unit.standin_closure import build_with_requirements
-from servestack.sandbox.standins.wheels import (
-    broken_wheel, build_wheel, metadata_only_wheel, record_hash, standin_wheel,
-)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "h200-ubuntu2404"

@@ -24,7 +24,6 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-from packaging.requirements import Requirement
 from packaging.tags import parse_tag
 from packaging.version import Version
 
