@@ -178,8 +178,7 @@ def torch_companion_wheel(name: str, version: str, torch_version: str) -> WheelS
     files = {f"{name}/__init__.py": (f'"""{note}."""\nfrom {name} import _standin, version\n\n'
                                      f"__version__ = version.__version__\n_standin.install(__name__)\n"),
              f"{name}/version.py": f'__version__ = "{version}"\ncuda = "{cuda_of(version)}"\n',
-             f"{name}/_standin.py": _payload("standin.py").replace('ROOTS = ("torch", "triton", "torchvision")',
-                                                                    f'ROOTS = ("torch", "triton", "{name}")')}
+             f"{name}/_standin.py": _payload("standin.py")}
     return WheelSpec(name, version, TORCH_TAG, files, (f"torch=={torch_version}",), note)
 
 

@@ -1,6 +1,6 @@
 """STAND-IN (servestack sandbox): names that code importing torch, triton or torchvision expects.
 
-Shipped as `<package>/_standin.py` in the stand-in torch, triton and torchvision wheels. SGLang
+Shipped as `<package>/_standin.py` in the stand-in torch, triton, torchvision and torchaudio wheels. SGLang
 (0.5.14 at `import sglang`, every version in `sglang.srt.server_args`) imports and decorates with
 hundreds of their names at import time; none does GPU work before a GPU is asked for. Every name a
 stand-in module does not define is answered by a placeholder class here, which does nothing
@@ -16,7 +16,6 @@ import importlib.machinery
 import sys
 import types
 
-ROOTS = ("torch", "triton", "torchvision")
 # Names a placeholder must not have: asking for them is how Python and libraries probe an object
 # (a real CUDA torch has no torch.npu, torch.hpu or torch.musa).
 ABSENT = {"npu", "hpu", "musa", "_fields", "_is_protocol", "__path__", "__file__", "__wrapped__"}
@@ -120,12 +119,15 @@ class PlaceholderModule(types.ModuleType):
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """A submodule of a stand-in package without a file of its own is a PlaceholderModule."""
+    """A submodule of a stand-in package (`roots`) without a file of its own is a PlaceholderModule."""
 
     servestack_standin = True
 
+    def __init__(self):
+        self.roots = set()
+
     def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] not in ROOTS or "." not in fullname:
+        if fullname.split(".")[0] not in self.roots or "." not in fullname:
             return None
         return (importlib.machinery.PathFinder.find_spec(fullname, path)
                 or importlib.machinery.ModuleSpec(fullname, self, is_package=True))
@@ -144,6 +146,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install(module_name):
     """Make module `module_name` answer undefined names with placeholders, and its undefined
     submodules with placeholder modules."""
-    if not any(getattr(finder, "servestack_standin", False) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    finder = next((finder for finder in sys.meta_path if getattr(finder, "servestack_standin", False)), None)
+    if finder is None:   # one finder for every stand-in package, whichever copy of this file installs it
+        finder = _Finder()
+        sys.meta_path.insert(0, finder)
+    finder.roots.add(module_name.split(".")[0])
     sys.modules[module_name].__class__ = PlaceholderModule
