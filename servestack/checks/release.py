@@ -103,8 +103,8 @@ def patches_applied(settings: Settings, readings) -> str:
     if not found.get("installed"):
         what = "no python" if found.get("python_missing") else "sglang is not installed"
         raise Fail(f"{what} at {found.get('python')} {readings.on}")
-    if found.get("patch_set") is None:
-        return f"sglang {found['version']} has no patch set"
+    if found.get("patch_set") is None:   # nothing was checked: not a pass
+        raise Skip(f"sglang {found['version']} {readings.on} has no servestack patch set: nothing to check")
     not_applied = [f"{patch['name']} is {patch['state']}" for patch in found["patches"]
                    if patch["state"] not in ("applied", "upstream")]
     if not_applied:

@@ -176,11 +176,13 @@ def test_the_suite_is_parametrised_per_inventory_host(inventory):
     assert len(ids) == 2 * per_host
 
 
-def test_without_hosts_the_suite_skips_instead_of_guessing():
+def test_without_hosts_the_suite_fails_with_one_line_instead_of_passing_empty():
     result = subprocess.run([sys.executable, "-m", "pytest", "tests/verify", "-q", "-rs", "-p", "no:cacheprovider"],
                             cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "got empty parameter set" in result.stdout and " passed" not in result.stdout
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "ERROR: no host to verify: give --inventory INVENTORY (and --limit GROUP_OR_HOST) or --hosts ssh://HOST"]
+    assert " passed" not in result.stdout and " skipped" not in result.stdout
 
 
 def test_bad_inventory_stops_the_suite_with_servestacks_message(inventory):

@@ -486,6 +486,14 @@ def test_patches_must_be_applied_and_match_their_record(h200):
     assert "is conflict" in outcome("patches_applied", settings, patch_read(state="conflict")).detail
 
 
+def test_an_sglang_without_a_patch_set_is_a_skip_not_a_pass(h200):
+    """GLM-5's stack (sglang 0.5.14) has no servestack patch set: nothing is checked, so nothing passes."""
+    found = {"installed": True, "version": "0.5.14", "patch_set": None, "record": None, "patches": []}
+    result = outcome("patches_applied", h200.settings(), Readings("h200", patches=Section(0, (json.dumps(found),))))
+    assert result.status == SKIPPED
+    assert result.detail == "sglang 0.5.14 on h200 has no servestack patch set: nothing to check"
+
+
 def test_the_patch_check_reports_a_missing_python_as_the_check_says(h200):
     settings = h200.settings()
     result = outcome("patches_applied", settings, h200.read(settings, "host", "patches"))
