@@ -902,6 +902,16 @@ def test_the_real_h200_fails_the_fleets_expectations_where_it_should():
     assert "cannot be confirmed as CUDA 13.0.1" in outcome("version_json", refused, readings).detail
 
 
+def test_the_sample_must_run_on_every_gpu_the_host_data_expects():
+    """The real H200 run (one device) against host data expecting the fleet's 8."""
+    text = (DEVICE / "sample-own-arch.txt").read_text()
+    body = "\n".join(["nvcc -gencode arch=compute_90,code=sm_90", *text.splitlines()[1:-1]])
+    assert outcome("cuda_sample", device_settings(), sample_read(0, body)).passed   # gpu_count = 1, as the host has
+    result = outcome("cuda_sample", device_settings(gpu_count=8), sample_read(0, body))
+    assert result.status == FAILED
+    assert result.detail.startswith("the CUDA sample ran on 1 device(s) on h200, expected gpu_count = 8: device 0 sm_90")
+
+
 def test_the_sample_built_for_the_wrong_architecture_fails_on_the_real_h200():
     text, rc = (DEVICE / "sample-sm120.txt").read_text(), 1
     body = "\n".join(["nvcc -gencode arch=compute_120,code=sm_120", *text.splitlines()[1:-1]])
