@@ -23,8 +23,10 @@
 #   venv_link           VENV's link as written (readlink), when it is a link: it names the active
 #                       release as the venv step reads it (facts/venv.py release_of)
 #   record              a patch record (RECORDS) beside that venv
-#   release_state       what the release's checks depend on beyond its path: site-packages and its
-#                       mtime (a package added or removed), each record's sha256
+#   release_state       what the release's checks read beyond its path: site-packages, its mtime (a
+#                       package added or removed) and the sha256 of every installed distribution's
+#                       METADATA with torch/version.py (a version or local label edited in place),
+#                       each record's sha256
 #   systemd             running | not running
 #   unit                a `Property=value` line of `systemctl show UNIT`; unit_exit: its exit status
 #   pid user env        the unit's main process: its pid, its user, and `NAME=value` per ENV_NAMES
@@ -97,7 +99,9 @@ active_release() {
         if [ -f "$dir/$name" ]; then say record "$dir/$name"; records+=("$name"); fi
     done
     for site in "$venv"/lib/python3*/site-packages; do
-        if [ -d "$site" ]; then say release_state "$site $(stat -c %Y -- "$site")"; fi
+        [ -d "$site" ] || continue
+        read -r read_digest _ < <(cat -- "$site"/*.dist-info/METADATA "$site"/torch/version.py 2>/dev/null | sha256sum)
+        say release_state "$site $(stat -c %Y -- "$site") $read_digest"
     done
     [ ${#records[@]} -gt 0 ] || return 0
     while IFS= read -r line; do

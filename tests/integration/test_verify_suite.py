@@ -186,6 +186,20 @@ def test_the_deploys_last_step_verified_every_host_without_changing_anything(con
     assert "verify: cuda_sample skipped: no /dev/nvidiactl" in deploy_run.stderr
 
 
+def test_the_deploys_last_step_does_not_reuse_a_pass_the_release_no_longer_earns(converged, tmp_path):
+    """The torch_label break edits a METADATA in place: site-packages' mtime stays, what the checks read
+    does not, so the recorded pass of the python checks is not reused."""
+    from pyinfra_run import run_pyinfra
+
+    the_lab, _, breaks, _, _ = converged
+    deploy = tmp_path / "verify_only.py"
+    deploy.write_text("from operations import verify\n\nverify.verify()\n")
+    run = run_pyinfra(the_lab, "-y", "--json", "--limit", breaks["torch_label"], target=str(deploy))
+    assert run.returncode != 0, run.output[-3000:]
+    assert "verify package_version" in run.output, run.output[-3000:]
+    assert f"torch 2.9.1+cu128 in /opt/ml-env on {breaks['torch_label']}, expected 2.9.1+cu130" in run.output
+
+
 def test_the_deploys_last_step_fails_a_broken_host(converged, tmp_path):
     from pyinfra_run import run_pyinfra
 

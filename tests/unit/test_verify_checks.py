@@ -519,6 +519,24 @@ def test_the_host_script_finds_the_active_release_and_its_records(h200):
     assert [line.split()[0] for line in host.release_state] == [str(site), record_sha256]
 
 
+def test_a_version_edited_in_place_changes_the_release_state_the_reuse_is_keyed_on(h200):
+    """An in-place edit of a dist-info's METADATA leaves site-packages' mtime as it was; the state the
+    deploy's verify step keys its reuse on (operations/verify.py state_key) still changes."""
+    release = h200.root / "opt" / "servestack" / "releases" / "r-1"
+    site = release / "venv" / "lib" / "python3.12" / "site-packages"
+    (site / "torch-2.9.1+cu130.dist-info").mkdir(parents=True)
+    metadata = site / "torch-2.9.1+cu130.dist-info" / "METADATA"
+    metadata.write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.9.1+cu130\n")
+    (h200.root / "opt" / "ml-env").symlink_to(release / "venv")
+    before = h200.read(h200.settings(), "host").host.release_state
+    mtime = site.stat().st_mtime
+    metadata.write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.9.1+cu128\n")
+    os.utime(site, (mtime, mtime))
+    after = h200.read(h200.settings(), "host").host.release_state
+    assert before[0].split()[:2] == after[0].split()[:2]   # the same site-packages, the same mtime
+    assert before != after
+
+
 def test_the_active_release_is_named_through_a_linked_releases_dir(h200):
     """The releases dir may be a link to another disk (/opt/servestack -> /data/servestack): the
     host script reports the venv path's link as written, which names the release, as the venv
