@@ -23,8 +23,16 @@ def targets_problems(hosts, environ=None) -> list[str]:
 
 
 def validate_targets(state, environ=None) -> None:
-    """Refuse the run, naming every problem of every host in its limit, before any connection."""
+    """Refuse the run, naming every problem of every host in its limit, before any connection; and a
+    run with no host at all (a --limit that matches none, an empty inventory), which would
+    otherwise do nothing and succeed: an emergency rollback with a typo must not report success."""
     hosts = [host for host in state.inventory if state.is_host_in_limit(host)]
+    if not hosts:
+        names = [host.name for host in state.inventory]
+        raise ConfigError(f"{REFUSAL}\nno host to run on: " + (
+            f"none of the inventory's hosts ({', '.join(names)}) is in the --limit given (pyinfra's --limit takes "
+            "one group or host name or glob per --limit; a comma does not separate two)" if names
+            else "the inventory has no hosts"))
     problems = targets_problems(hosts, environ)
     if problems:
         raise ConfigError(REFUSAL + "\n" + "\n".join(problems))

@@ -231,6 +231,22 @@ def test_the_pyinfra_cli_shows_a_refusal_as_its_own_error_not_as_a_line_of_serve
     assert "preconnect.py" not in output and "Connecting to hosts" not in output
 
 
+def test_a_run_with_no_host_in_its_limit_is_refused_not_a_success(tmp_path):
+    """The real CLI: a rollback whose --limit names no host of the inventory (a typo, or two names
+    joined by a comma, which pyinfra does not split) must not end with exit 0 having done nothing."""
+    inventory = tmp_path / "inventory.py"
+    inventory.write_text('hosts = [("gpu-a", {"ssh_hostname": "127.0.0.1", "servestack_allow_local": True}), '
+                         '("gpu-b", {"ssh_hostname": "127.0.0.1", "servestack_allow_local": True})]\n')
+    pyinfra = Path(sys.executable).parent / "pyinfra"
+    for limit in ("gpu-c", "gpu-a,gpu-b"):
+        run = subprocess.run([str(pyinfra), str(inventory), "rollback.py", "--limit", limit, "-y"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        output = run.stdout + run.stderr
+        assert run.returncode == 1, output
+        assert ("no host to run on: none of the inventory's hosts (gpu-a, gpu-b) is in the --limit given" in output)
+        assert "Connecting to hosts" not in output
+
+
 def test_the_limit_decides_which_hosts_are_checked():
     hosts = [FakeHost("h1", {"service_port": 0}), FakeHost("h2", {})]
     validate_targets(FakeState(hosts, limit={"h2"}), environ={})
