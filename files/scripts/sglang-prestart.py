@@ -30,8 +30,10 @@ import os
 import re
 import sys
 
-# Errors that mean SGLang needs what this host lacks, not that it refuses the configuration.
-NEEDS_A_GPU = ("Found no NVIDIA driver", "0 active drivers", "No accelerator", "CUDA driver", "no CUDA GPUs")
+# Errors that mean SGLang needs what this host lacks, not that it refuses the configuration: no GPU, or
+# GPUs the running server holds (exclusive compute mode, or its memory).
+NEEDS_A_GPU = ("Found no NVIDIA driver", "0 active drivers", "No accelerator", "CUDA driver", "no CUDA GPUs",
+               "busy or unavailable", "CUDA out of memory")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

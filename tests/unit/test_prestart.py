@@ -60,6 +60,9 @@ def test_sglangs_framed_coloured_message_is_kept_in_its_words_on_one_line(presta
     (RuntimeError("Found no NVIDIA driver on your system. Please check ..."), True, False),   # real torch
     (RuntimeError("0 active drivers ([]). There should only be one."), True, False),          # real triton
     (RuntimeError("No accelerator (CUDA, XPU, HPU, NPU, MUSA) is available."), True, False),  # sglang get_device
+    # the serving server holds the GPUs: exclusive compute mode, or its memory (real torch's words)
+    (RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable"), True, False),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB"), True, False),
     (OSError("/models/k does not appear to have a file named configuration_kimi_k25.py"), False, True),
     (ValueError("The checkpoint you are trying to load has model type `glm_moe_dsa` but Transformers does not "
                 "recognize this architecture."), False, False),
