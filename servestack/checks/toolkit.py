@@ -124,7 +124,8 @@ def cuda_sample(settings: Settings, readings) -> str:
     if section.rc != 0 or not results or not results[-1].endswith("PASS"):
         detail = "\n".join(results or nonblank(section)[-15:])
         raise Fail(f"the CUDA sample built with `{flags}` failed {readings.on} (exit {section.rc}):\n{detail}")
-    ran_on = int(results[-1].split()[1].rstrip(":"))   # `devices N: PASS`
+    totals = [line for line in results if line.startswith("devices ")]   # `devices N: PASS`, the sample's last line
+    ran_on = int(totals[-1].split()[1].rstrip(":")) if totals else None
     if ran_on != settings.gpu_count:
         raise Fail(f"the CUDA sample ran on {ran_on} device(s) {readings.on}, expected gpu_count = "
                    f"{settings.gpu_count}: " + "; ".join(results))

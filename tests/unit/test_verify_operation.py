@@ -100,7 +100,8 @@ def reported(*lines: str, rc: int = 0) -> list[str]:
     return [BEGIN + OUTPUT, *lines, "", f"{END}{OUTPUT} {rc}"]
 
 
-SAMPLE = reported("nvcc -gencode arch=compute_90,code=sm_90", "device 0 NVIDIA H200: vector_add PASS")
+SAMPLE = reported("nvcc -gencode arch=compute_90,code=sm_90",   # what the real sample printed on the H200
+                  'device 0 sm_90 "NVIDIA H200": PASS bad=0/1048576 launch=no error sync=no error', "devices 1: PASS")
 WITH_SAMPLE = (*GPU_CHECKS, "cuda_sample")
 READS_RECORD = "verified.json 2>/dev/null"
 
