@@ -18,7 +18,8 @@ from pyinfra.facts.server import Users
 # files: fragment and drop-ins) and the tests use them.
 UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "UnitFileState",
                    "NeedDaemonReload", "FragmentPath", "DropInPaths", "InvocationID", "Result")
-# The Result of a unit systemd stopped restarting: its StartLimitBurst was reached.
+# The Result of a unit systemd stopped restarting: its StartLimitBurst was reached (systemd.unit(5),
+# StartLimitIntervalSec=; `Result` values in org.freedesktop.systemd1(5)).
 GAVE_UP = "start-limit-hit"
 
 

@@ -22,11 +22,11 @@ from facts.batch import FactRequest
 from facts.service import ServiceRecord
 from operations.patches import patchset_digest
 from operations.releases import Release
-from operations import service
 from operations.service import (
     desired_unit, fingerprint, gpu_groups, launch_arguments, record_path, secrets_content, service_environment,
     sha256_text, speculation_enabled,
 )
+from operations.service import host_reads as service_reads
 from servestack import reads
 from servestack.hostrun import noop, plan, while_busy
 from servestack.scripts import python_script_command
@@ -38,7 +38,7 @@ SCRIPT = "sglang-prestart.py"
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
     """What this step reads: what the service step reads to render the unit it would write and to
     know what the service last ran healthy (the same requests: read once)."""
-    return service.host_reads(settings, release)
+    return service_reads(settings, release)
 
 
 def due(settings: Settings, release: Release) -> str | None:

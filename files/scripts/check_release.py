@@ -1,8 +1,8 @@
 """Checks a freshly built release must pass before it may become active (runs inside its python).
 
 argv[1] is a JSON object: {"packages": {name: version}, "lock": {name: version},
-"wheels": {name: file name}, "torch_cuda": "13.0", "imports": [module, ...]}. Prints one "PROBLEM <text>" line per failed
-check and exits 1 if there is any; prints "OK" and exits 0 otherwise.
+"wheels": {name: file name}, "torch_cuda": "13.0", "imports": [module, ...]}. Prints one
+"PROBLEM <text>" line per failed check and exits 1 if there is any; prints "OK" and exits 0 otherwise.
 """
 
 import importlib

@@ -100,7 +100,8 @@ answers() {
 
 restart_and_check() {
   # reset-failed: this restart is a deliberate new start, not one of the automatic restarts the
-  # unit's StartLimitBurst counts (a unit that gave up would otherwise refuse it).
+  # unit's StartLimitBurst counts (a unit that gave up would otherwise refuse it); it flushes the
+  # start rate counter (systemd.unit(5), StartLimitIntervalSec=).
   systemctl reset-failed -- "$SS_UNIT" 2>/dev/null || true
   if ! systemctl daemon-reload || ! systemctl restart -- "$SS_UNIT"; then
     reason="systemctl restart $SS_UNIT failed"

@@ -6,7 +6,8 @@ stand-in. They are used only by the sandbox, never by the deploy.
 - toolkit: `write_toolkit_tree(root, version, nvcc_version)` -> a /usr/local/cuda-X.Y tree
 - runfile: `build_runfile(dest_dir, mode)` -> the makeself installer; `runfile_info`, `write_md5sum`
 - wheels: stand-in wheel builders, `build_wheel`, `broken_wheel`
-- sglang: the real sglang wheel with its Requires-Dist cut down
+- sglang: what SGLang imports before GPU work (served as real wheels beside the real sglang)
+- closure: each stack resolved as a real host resolves it, and the real metadata of its packages
 - index: `write_simple_index(root, wheels)` -> a PEP 503 index
 - build: `build_artifacts(dest, runfile_mode=...)` -> `ArtifactSet` (everything the server serves)
 - host: `dress_gpu_host(root, gpu=..., with_cuda_128=..., with_ml_env=...)`

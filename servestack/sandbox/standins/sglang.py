@@ -11,12 +11,6 @@ require as real wheels (closure.requirements_closure).
 
 from __future__ import annotations
 
-import re
-import zipfile
-from pathlib import Path
-
-from packaging.requirements import Requirement
-
 #: The release that already carries the upstream fix of a servestack patch ('upstream patch' tests,
 #: installed without its dependencies).
 UPSTREAM_PATCHED_VERSION = "0.5.10"
@@ -42,12 +36,3 @@ def server_args_imports(version: str) -> tuple[str, ...]:
         raise RuntimeError(f"the sandbox does not know what sglang {version} imports: add it to "
                            "servestack/sandbox/standins/sglang.py SERVER_ARGS_IMPORTS (import "
                            "sglang.srt.server_args in an empty venv until it succeeds)") from None
-
-
-def requirements_of(wheel: Path) -> list[Requirement]:
-    """The Requires-Dist of a wheel, parsed."""
-    with zipfile.ZipFile(wheel) as archive:
-        name = next(name for name in archive.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", name))
-        head = archive.read(name).decode().partition("\n\n")[0]
-    return [Requirement(line.split(":", 1)[1].strip()) for line in head.split("\n")
-            if line.startswith("Requires-Dist:")]

@@ -242,7 +242,8 @@ def flashinfer_jit_cache_wheel(version: str) -> WheelSpec:
 
 def metadata_only_wheel(name: str, version: str) -> WheelSpec:
     """A wheel with no files but its metadata: a package the sandbox serves but nothing imports there
-    (a CUDA library, a kernel package, what only the GPU server loads)."""
+    (a CUDA library, a kernel package, what only the GPU server loads). Tagged py3-none-any: a sandbox
+    host (CPython 3.11, x86_64, glibc 2.36) accepts it as it accepts the real platform wheel."""
     return WheelSpec(name, version, PURE_TAG, {}, (), _note(name, version))
 
 
