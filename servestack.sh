@@ -55,9 +55,23 @@ ensure_venv() {
     UV_PYTHON_DOWNLOADS=never "$uv" sync -q --locked --extra plot --python "$(command -v python3)"
 }
 
+# The test suite runs the sandbox hosts' Python here: the stand-in wheels are CPython 3.11 builds (Debian 12's
+# python3, which the hosts run) and tests install them, and the real sglang wheels, into venvs made from it.
+HOST_PYTHON_VERSION=3.11
+test_python_problem() {   # why this machine cannot run the test suite, or nothing
+    local python=${SERVESTACK_TEST_HOST_PYTHON:-/usr/bin/python3} found
+    found=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || found=none
+    [ "$found" = "$HOST_PYTHON_VERSION" ] && return
+    echo "servestack: the test suite needs $python to be Python $HOST_PYTHON_VERSION, the sandbox hosts' (Debian 12);" \
+         "it is $found here (the stand-in wheels are CPython $HOST_PYTHON_VERSION builds, installed into venvs made from it)"
+}
+
 ensure_debian_packages
 ensure_venv
 case "${1:-}" in
-    test) shift; PATH="$here/.tools/bin:$PATH" exec .venv/bin/python -m pytest "$@" ;;
+    test) shift
+          problem=$(test_python_problem)
+          if [ -n "$problem" ]; then echo "$problem" >&2; exit 2; fi
+          PATH="$here/.tools/bin:$PATH" exec .venv/bin/python -m pytest "$@" ;;
     *) exec .venv/bin/servestack "$@" ;;
 esac

@@ -94,11 +94,30 @@ def parse_proc_driver_version(text: str) -> str | None:
     return match.group(1) if match else None
 
 
+#: nvidia-smi's exit statuses, as its manual page words them (nvidia-smi(1), RETURN VALUE; e.g.
+#: https://manpages.ubuntu.com/manpages/xenial/man1/alt-nvidia-384-smi.1.html).
+SMI_EXITS = {
+    2: "a supplied argument or flag is invalid",
+    3: "the requested operation is not available on target device",
+    4: "the current user does not have permission to access this device",
+    6: "a query to find an object was unsuccessful",
+    8: "a device's external power cables are not properly attached",
+    9: "NVIDIA driver is not loaded",
+    10: "NVIDIA kernel detected an interrupt issue with a GPU",
+    12: "NVML shared library couldn't be found or loaded",
+    13: "local version of NVML doesn't implement this function",
+    14: "infoROM is corrupted",
+    15: "the GPU has fallen off the bus or has otherwise become inaccessible",
+    255: "other error or internal driver error occurred",
+}
+
+
 def _smi_error(exit_code: int, lines: list[str]) -> str:
     text = " ".join(line.strip() for line in lines if line.strip()) or "no output"
     if exit_code == 124:
-        return f"nvidia-smi did not answer within {SMI_TIMEOUT_S} s"
-    return f"nvidia-smi failed (exit {exit_code}): {text}"
+        return f"nvidia-smi did not answer within {SMI_TIMEOUT_S} s (exit 124: the driver hangs)"
+    meaning = f": {SMI_EXITS[exit_code]}" if exit_code in SMI_EXITS else ""
+    return f"nvidia-smi failed (exit {exit_code}{meaning}): {text}"
 
 
 def parse_gpu_output(lines: list[str]) -> GpuReport:
@@ -112,8 +131,10 @@ def parse_gpu_output(lines: list[str]) -> GpuReport:
     if not exits:
         return GpuReport(driver_version=proc_driver, error="nvidia-smi gave no answer")
     exit_code = int(exits[0])
-    if exit_code == 6 or (exit_code == 0 and not any(line.strip() for line in smi_lines)):
-        return GpuReport(driver_version=proc_driver, error="no GPU visible (nvidia-smi: No devices were found)")
+    if exit_code == 6:
+        return GpuReport(driver_version=proc_driver, error="no GPU visible (nvidia-smi exit 6: No devices were found)")
+    if exit_code == 0 and not any(line.strip() for line in smi_lines):
+        return GpuReport(driver_version=proc_driver, error="no GPU visible (nvidia-smi exit 0 listed none)")
     if exit_code != 0:
         return GpuReport(driver_version=proc_driver, error=_smi_error(exit_code, smi_lines))
     try:

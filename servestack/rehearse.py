@@ -30,6 +30,24 @@ STAND_IN_NOTICE = ("Stand-ins: the GPUs (nvidia-smi), the CUDA runfile and the C
                    "small stand-ins; systemd, SSH, uv, the SGLang sources and the deploy are real.")
 
 
+#: The verification checks whose answer comes from a stand-in on sandbox hosts, and which one: their
+#: pass shows the deploy and the check agree with the stand-in, not that a GPU works.
+STAND_IN_CHECKS = {
+    "driver_version": "the stand-in nvidia-smi",
+    "gpu_capability": "the stand-in nvidia-smi",
+    "gpu_count": "the stand-in nvidia-smi",
+    "nvcc_version": "the stand-in runfile's nvcc",
+    "version_json": "the stand-in runfile's version.json",
+    "cuda_sample": "the stand-in nvcc's simulated sample",
+    "torch_cuda_build": "the stand-in torch wheel",
+    "torch_device_capability": "the stand-in torch's simulated GPUs",
+    "torch_cuda_op": "the stand-in torch's simulated GPUs",
+    "sglang_sm120": "the real sglang on the stand-in torch's simulated GPUs",
+    "service_health": "the stand-in SGLang server",
+    "service_generate": "the stand-in SGLang server",
+}
+
+
 class RehearsalFailed(Exception):
     """A rehearsal step failed; the message says which and why."""
 
@@ -40,12 +58,13 @@ class Outcome:
     profiles: dict = field(default_factory=dict)   # host name -> service profile
     first_run_changes: int | None = None
     second_run_changes: int | None = None
-    verify: dict = field(default_factory=lambda: {"passed": 0, "failed": 0, "skipped": 0})
+    verify: dict = field(default_factory=lambda: {"passed": 0, "passed_on_standins": 0, "failed": 0, "skipped": 0})
     timings: dict = field(default_factory=dict)
 
     def line(self, status: str, reason: str = "") -> str:
         fields = (f"hosts={self.hosts} first_run_changes={_n(self.first_run_changes)} "
                   f"second_run_changes={_n(self.second_run_changes)} verify_passed={self.verify['passed']} "
+                  f"verify_passed_on_standins={self.verify['passed_on_standins']} "
                   f"verify_failed={self.verify['failed']} verify_skipped={self.verify['skipped']}")
         if self.profiles:
             fields += " profiles=" + ",".join(sorted(set(self.profiles.values())))
@@ -165,13 +184,23 @@ def verify(lab, inventory: Path, outcome: Outcome) -> None:
 
 
 def junit_counts(path: Path) -> dict:
-    """passed/failed/skipped totals of a pytest JUnit XML report."""
+    """passed/failed/skipped totals of a pytest JUnit XML report, and how many of the passes were of
+    STAND_IN_CHECKS (`passed_on_standins`, part of `passed`)."""
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     total = sum(int(suite.get("tests", 0)) for suite in suites)
     failed = sum(int(suite.get("failures", 0)) + int(suite.get("errors", 0)) for suite in suites)
     skipped = sum(int(suite.get("skipped", 0)) for suite in suites)
-    return {"passed": total - failed - skipped, "failed": failed, "skipped": skipped}
+    on_standins = sum(1 for case in root.iter("testcase")
+                      if _check_of(case.get("name", "")) in STAND_IN_CHECKS
+                      and not any(child.tag in ("failure", "error", "skipped") for child in case))
+    return {"passed": total - failed - skipped, "passed_on_standins": on_standins, "failed": failed,
+            "skipped": skipped}
+
+
+def _check_of(test_name: str) -> str:
+    """test_cuda_sample[ssh://h1] -> cuda_sample."""
+    return test_name.split("[", 1)[0].removeprefix("test_")
 
 
 def _timed(outcome: Outcome, label: str, step):
@@ -226,5 +255,8 @@ def rehearse(hosts: int | None = None, keep: bool = False) -> int:
             lab.down()
     console.print(summary(outcome))
     console.print(STAND_IN_NOTICE)
+    console.print(f"verify_passed_on_standins={outcome.verify['passed_on_standins']}: passes of checks answered by "
+                  "stand-ins: " + "; ".join(f"{check} ({what})" for check, what in STAND_IN_CHECKS.items()),
+                  markup=False, highlight=False, soft_wrap=True)
     print(outcome.line(status, reason))
     return 0 if status == "OK" else 1

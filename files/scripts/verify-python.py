@@ -6,13 +6,15 @@ of the GPUs (a small sum and matmul on every device), and SGLang's is_sm120_supp
 
 Output: one line, MARK followed by a JSON object (anything printed before it is noise: warnings):
   {"executable", "prefix", "packages": {name: version or null},
-   "torch": {"version", "cuda", "available", "count", "names", "capabilities", "ops"} | "torch_error",
+   "torch": {"version", "cuda", "available", "unavailable_reason" (when not available), "count", "names",
+             "capabilities", "ops"} | "torch_error",
    "sm120": bool | "sm120_error"}
 Exit: 0; what failed is in the report.
 """
 import importlib.metadata as metadata
 import json
 import sys
+import warnings
 
 MARK, NAMES = sys.argv[1], json.loads(sys.argv[2])
 out = {"executable": sys.executable, "prefix": sys.prefix, "packages": {}}
@@ -41,7 +43,12 @@ def device_ops(torch, count):
 
 try:
     import torch
-    info = {"version": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available()}
+    with warnings.catch_warnings(record=True) as caught:   # torch says why it sees no GPU as a warning
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    info = {"version": torch.__version__, "cuda": torch.version.cuda, "available": available}
+    if not available:
+        info["unavailable_reason"] = "; ".join(str(warning.message) for warning in caught) or None
     if info["available"]:
         count = torch.cuda.device_count()
         info["count"] = count

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from packaging.version import Version
 
 from facts.gpu import Gpu, GpuReport
-from servestack.checks.outcome import Fail, Skip
+from servestack.checks.outcome import Fail
 from servestack.checks.parse import version_or_none
 from servestack.settings import Settings
 
@@ -56,14 +56,21 @@ class GpuExpectation:
 # --- the verification checks -------------------------------------------------------------------
 
 
-def _gpus(readings) -> GpuReport:
+def _gpus(settings: Settings, readings) -> GpuReport:
+    """The GPUs the driver answers for. Host data always expects some (gpu_count >= 1), so a
+    driver that does not answer fails the check, with nvidia-smi's own cause."""
     if not readings.gpu.gpus:
-        raise Skip(f"no NVIDIA driver answers {readings.on}: {readings.gpu.error}")
+        raise Fail(no_driver_answer(settings, readings.on, readings.gpu.error))
     return readings.gpu
 
 
+def no_driver_answer(settings: Settings, on: str, cause: str | None) -> str:
+    """Why a GPU check fails on a host whose driver does not answer (shared by every GPU check)."""
+    return f"no NVIDIA driver answers {on}, host data expects gpu_count = {settings.gpu_count}: {cause}"
+
+
 def driver_version(settings: Settings, readings) -> str:
-    report, expect = _gpus(readings), GpuExpectation.of(settings)
+    report, expect = _gpus(settings, readings), GpuExpectation.of(settings)
     drivers = ", ".join(expect.drivers(report))
     if expect.old_drivers(report):
         raise Fail(f"driver {drivers} {readings.on} is older than the manifest minimum {expect.min_driver} "
@@ -72,7 +79,7 @@ def driver_version(settings: Settings, readings) -> str:
 
 
 def gpu_capability(settings: Settings, readings) -> str:
-    report, expect = _gpus(readings), GpuExpectation.of(settings)
+    report, expect = _gpus(settings, readings), GpuExpectation.of(settings)
     other = expect.other_capability(report)
     if other:
         raise Fail(f"expected compute capability {expect.capability} {readings.on}: "
@@ -81,7 +88,7 @@ def gpu_capability(settings: Settings, readings) -> str:
 
 
 def gpu_count(settings: Settings, readings) -> str:
-    report, expect = _gpus(readings), GpuExpectation.of(settings)
+    report, expect = _gpus(settings, readings), GpuExpectation.of(settings)
     if expect.count_differs(report):
         raise Fail(f"nvidia-smi lists {len(report.gpus)} GPU(s) {readings.on}, host data gpu_count is "
                    f"{expect.count}")

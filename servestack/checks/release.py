@@ -27,9 +27,13 @@ def _torch(settings: Settings, readings) -> dict:
 
 
 def _torch_on_gpus(settings: Settings, readings) -> dict:
+    """torch's view of the GPUs. Host data always expects some (gpu_count >= 1): torch seeing none
+    fails the check, with the reason torch gave (its "CUDA initialization" warning)."""
     torch = _torch(settings, readings)
     if not torch["available"]:
-        raise Skip(f"torch.cuda.is_available() is False {readings.on}")
+        reason = torch.get("unavailable_reason") or "torch gave no reason"
+        raise Fail(f"torch.cuda.is_available() is False {readings.on}, host data expects gpu_count = "
+                   f"{settings.gpu_count}: {reason}")
     return torch
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from facts.toolkit import Fingerprint, LinkChain
 from facts.toolkit import record_path as toolkits_record_path
 from operations.toolkit import kept_paths, version_json_problem
-from servestack.checks.outcome import Fail, Skip
+from servestack.checks.outcome import Fail
 from servestack.checks.parse import nonblank, package_owner, packaged_release, sample_flags, sample_results
 from servestack.settings import Settings
 
@@ -112,8 +112,9 @@ def cuda_link(settings: Settings, readings) -> str:
 
 def cuda_sample(settings: Settings, readings) -> str:
     section = readings.sample
-    if section.rc == 4:
-        raise Skip(f"no /dev/nvidiactl {readings.on}: no GPU device the CUDA runtime could open")
+    if section.rc == 4:   # host data always expects GPUs (gpu_count >= 1)
+        raise Fail(f"no /dev/nvidiactl {readings.on}, host data expects gpu_count = {settings.gpu_count}: "
+                   "the NVIDIA kernel module made no device node the CUDA runtime could open")
     if section.rc is None:
         raise Fail(f"the CUDA sample did not finish {readings.on}")
     flags = sample_flags(section)

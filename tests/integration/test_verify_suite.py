@@ -3,8 +3,10 @@
 
 A suite that cannot fail proves nothing: on hosts before the upgrade, and on converged hosts broken on
 purpose (a wrong torch local label, a modified patched file, a stopped service, a changed CUDA 12.8
-file), the matching check must fail, and on a converged host every check that needs no real GPU must
-pass. Checks needing a real GPU (the CUDA sample, torch on the GPU) are skipped with the reason.
+file, a driver that did not load), the matching check must fail, and on a converged host every check
+must pass. The GPU checks pass here against stand-ins (nvidia-smi, the stand-in torch's and nvcc's
+SIMULATED GPUs); what they show is that the deploy and the checks agree with a host that has the
+expected GPUs, and that a host whose driver does not answer fails them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from servestack.checks.outcome import FAILED, PASSED, SKIPPED
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
-# What cannot run without a real GPU: the sandbox's nvidia-smi is a stand-in, there is no
-# /dev/nvidiactl, and the stand-in torch reports no CUDA device.
-NEEDS_A_GPU = {"cuda_sample": "no /dev/nvidiactl on {host}: no GPU device the CUDA runtime could open",
-               "torch_device_capability": "torch.cuda.is_available() is False on {host}",
-               "torch_cuda_op": "torch.cuda.is_available() is False on {host}",
-               "sglang_sm120": "torch.cuda.is_available() is False on {host}"}
+# The seven checks that need the GPUs to answer (the driver, nvidia-smi's GPUs, the CUDA sample, torch on them).
+GPU_CHECKS = {"driver_version", "gpu_capability", "gpu_count", "cuda_sample", "torch_device_capability",
+              "torch_cuda_op", "sglang_sm120"}
+# The real message and exit status of nvidia-smi on a host whose kernel module did not load; nvidia-smi(1)
+# calls exit 9 "NVIDIA driver is not loaded".
+NOT_COMMUNICATING = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that "
+                     "the latest NVIDIA driver is installed and running.")
 
 
 @dataclass
@@ -91,7 +94,9 @@ def test_before_the_upgrade_the_suite_fails_the_old_stack_over_ssh(lab, tmp_path
         assert run.message(host, "package_version[torch]").endswith(f"on {host}, expected 2.9.1+cu130")
         assert "+cu128" in run.message(host, "package_version[torch]")
         assert run.message(host, "torch_cuda_build").endswith("is built for CUDA 12.8, expected 13.0")
-        assert run.message(host, "cuda_sample") == NEEDS_A_GPU["cuda_sample"].format(host=host)
+        assert run.status(host, "cuda_sample") == FAILED   # no CUDA 13.0 nvcc to build it with yet
+        assert run.message(host, "cuda_sample").startswith(
+            f"/usr/local/cuda-13.0/bin/nvcc -gencode arch=compute_120,code=sm_120 failed on {host}")
         assert run.status(host, "service_active") == FAILED
 
 
@@ -121,9 +126,12 @@ BREAKS = {
     "service": "systemctl stop sglang.service",
     # a file of the kept CUDA 12.8 toolkit changed
     "cuda_128": "f=$(find /usr/local/cuda-12.8/ -type f -name '*.so*' | head -n 1); echo x >> $f",
+    # the kernel module did not load (after a kernel update): no device nodes, nvidia-smi cannot talk to it
+    "driver": "sed -i \"s/'driver_loaded': True/'driver_loaded': False/\" /usr/bin/nvidia-smi && "
+              "rm -f /dev/nvidiactl /dev/nvidia[0-9]*",
 }
 EXPECTED_FAILURE = {"torch_label": "package_version[torch]", "patched_file": "patches_applied",
-                    "service": "service_active", "cuda_128": "kept_toolkits"}
+                    "service": "service_active", "cuda_128": "kept_toolkits", "driver": "gpu_count"}
 
 
 # sandbox hosts cannot run SGLang: the lab's host data has the unit start the stand-in server of
@@ -140,11 +148,11 @@ def verify_operation(run) -> dict:
 
 @pytest.fixture(scope="module")
 def converged(lab, tmp_path_factory):
-    """Five lab hosts converged: one left as it is, four broken one way each, and the suite's run."""
+    """Six lab hosts converged: one left as it is, five broken one way each, and the suite's run."""
     from pyinfra_run import run_pyinfra
 
     workdir = tmp_path_factory.mktemp("verify")
-    the_lab = lab(5, host_data=LAB_DATA)
+    the_lab = lab(1 + len(BREAKS), host_data=LAB_DATA)
     run = run_pyinfra(the_lab, "-y", "--json", timeout=1800)
     assert run.returncode == 0, run.output[-6000:]
     hosts = the_lab.hosts
@@ -154,13 +162,27 @@ def converged(lab, tmp_path_factory):
     return the_lab, hosts[0].name, breaks, run_suite(the_lab, workdir), run
 
 
-def test_a_converged_host_passes_every_check_that_needs_no_gpu(converged):
+def test_a_converged_host_passes_every_check(converged):
     _, good, _, run, _ = converged
-    assert run.of_host(good, FAILED) == set(), run.output[-4000:]
-    skipped = run.of_host(good, SKIPPED)
-    assert skipped == set(NEEDS_A_GPU)
-    for check in skipped:  # skipped with the fact that says why, never silently passed
-        assert run.message(good, check).endswith(NEEDS_A_GPU[check].format(host=good))
+    assert run.of_host(good, FAILED) == set() and run.of_host(good, SKIPPED) == set(), run.output[-4000:]
+    assert GPU_CHECKS <= run.of_host(good, PASSED)
+
+
+def test_where_host_data_expects_gpus_a_driver_that_did_not_load_fails_every_gpu_check(converged):
+    """Nothing skips: each of the seven GPU checks fails, naming the cause."""
+    _, _, breaks, run, _ = converged
+    host = breaks["driver"]
+    assert run.of_host(host, FAILED) == GPU_CHECKS, run.output[-4000:]
+    assert run.returncode == 1
+    expects = f"on {host}, host data expects gpu_count = 8: "
+    assert run.message(host, "gpu_count") == (f"no NVIDIA driver answers {expects}"
+                                              f"nvidia-smi failed (exit 9: NVIDIA driver is not loaded): "
+                                              f"{NOT_COMMUNICATING}")
+    assert run.message(host, "cuda_sample").startswith(f"no /dev/nvidiactl {expects}")
+    assert run.message(host, "torch_cuda_op") == (f"torch.cuda.is_available() is False {expects}CUDA initialization: "
+                                                  "Found no NVIDIA driver on your system. Please check that you have "
+                                                  "an NVIDIA GPU and installed a driver from "
+                                                  "http://www.nvidia.com/Download/index.aspx")
 
 
 @pytest.mark.parametrize("name", list(BREAKS))
@@ -175,6 +197,7 @@ def test_the_breaks_fail_only_what_they_touch(converged):
     assert run.of_host(breaks["torch_label"], FAILED) == {"package_version[torch]"}
     assert run.of_host(breaks["patched_file"], FAILED) == {"patches_applied"}
     assert run.of_host(breaks["cuda_128"], FAILED) == {"kept_toolkits"}
+    assert run.of_host(breaks["driver"], FAILED) == GPU_CHECKS
     assert "service_active" in run.of_host(breaks["service"], FAILED)
     assert "must be enabled and active" in run.message(breaks["service"], "service_active")
 
@@ -182,8 +205,8 @@ def test_the_breaks_fail_only_what_they_touch(converged):
 def test_the_deploys_last_step_verified_every_host_without_changing_anything(converged):
     _, _, _, _, deploy_run = converged
     step = verify_operation(deploy_run)
-    assert not step.get("error") and not step.get("success"), step  # passed on all five, changed nothing
-    assert "verify: cuda_sample skipped: no /dev/nvidiactl" in deploy_run.stderr
+    assert not step.get("error") and not step.get("success"), step  # passed on all six, changed nothing
+    assert " skipped: " not in deploy_run.stderr   # every check applies where host data expects GPUs
 
 
 def test_the_deploys_last_step_does_not_reuse_a_pass_the_release_no_longer_earns(converged, tmp_path):

@@ -213,14 +213,29 @@ def test_driver_versions_compare_as_versions_not_strings(h200):
     assert result.status == FAILED and "580.65.06 on h200 is older than the manifest minimum 580.82.07" in result.detail
 
 
-def test_without_a_driver_gpu_checks_are_skipped_with_the_reason(h200):
+NOT_COMMUNICATING = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
+
+
+@pytest.mark.parametrize("smi, cause", [
+    (None, "nvidia-smi not found (no NVIDIA driver installed?)"),
+    # the real message and status of a host whose kernel module did not load (nvidia-smi(1): 9 "NVIDIA driver
+    # is not loaded")
+    (f"echo \"{NOT_COMMUNICATING}\"; exit 9",
+     f"nvidia-smi failed (exit 9: NVIDIA driver is not loaded): {NOT_COMMUNICATING}"),
+    ("exit 124", "nvidia-smi did not answer within 60 s (exit 124: the driver hangs)"),   # coreutils timeout
+    ("echo 'No devices were found'; exit 6", "no GPU visible (nvidia-smi exit 6: No devices were found)"),
+    ("echo 'garbled'", "unexpected nvidia-smi output: expected 7 values, got ['garbled']"),
+])
+def test_where_host_data_expects_gpus_a_driver_that_does_not_answer_fails_each_gpu_check(h200, smi, cause):
     settings = h200.settings()
     (h200.bin / "nvidia-smi").unlink()
-    write_script(h200.bin / "nvidia-smi", "#!/bin/sh\necho 'NVIDIA-SMI has failed because it couldn'\"'\"'t "
-                                          "communicate with the NVIDIA driver.'\nexit 9\n")
-    result = outcome("driver_version", settings, h200.read(settings))
-    assert result.status == SKIPPED
-    assert result.detail.startswith("no NVIDIA driver answers on h200: nvidia-smi failed (exit 9): NVIDIA-SMI has failed")
+    if smi is not None:
+        write_script(h200.bin / "nvidia-smi", f"#!/bin/sh\n{smi}\n")
+    readings = h200.read(settings)
+    for check in ("driver_version", "gpu_capability", "gpu_count"):
+        result = outcome(check, settings, readings)
+        assert (result.status, result.detail) == (
+            FAILED, f"no NVIDIA driver answers on h200, host data expects gpu_count = 1: {cause}")
 
 
 # --- toolkit: the real nvcc, dpkg-packaged tree, alternatives chain -------------------------
@@ -339,13 +354,14 @@ def test_the_sample_passes_only_when_every_device_added_correctly(h200):
     assert result.status == FAILED and "FAIL bad=1048576/1048576" in result.detail
 
 
-def test_the_sample_reports_compiler_failures_and_skips_without_a_gpu_device(h200):
+def test_the_sample_reports_compiler_failures_and_fails_without_a_gpu_device(h200):
     settings = h200.settings()
     result = outcome("cuda_sample", settings, sample_read(7, "nvcc -gencode arch=compute_90,code=sm_90\n"
                                                                "nvcc fatal : cannot find g++\nnvcc failed"))
     assert result.status == FAILED and "cannot find g++" in result.detail
-    assert outcome("cuda_sample", settings, sample_read(4, "no /dev/nvidiactl")).detail == (
-        "no /dev/nvidiactl on h200: no GPU device the CUDA runtime could open")
+    no_node = outcome("cuda_sample", settings, sample_read(4, "no /dev/nvidiactl"))
+    assert (no_node.status, no_node.detail) == (FAILED, "no /dev/nvidiactl on h200, host data expects gpu_count = 1: "
+                                                "the NVIDIA kernel module made no device node the CUDA runtime could open")
 
 
 def test_the_sample_source_checks_launch_errors_and_every_result():
@@ -354,7 +370,7 @@ def test_the_sample_source_checks_launch_errors_and_every_result():
     assert "c[i] != 3.0f * (float)i" in source
 
 
-def test_the_sample_script_skips_where_there_is_no_gpu_device_node(h200):
+def test_the_sample_script_exits_4_where_there_is_no_gpu_device_node(h200):
     settings = h200.settings()
     if Path("/dev/nvidiactl").exists():
         pytest.skip("this machine has an NVIDIA device node")
@@ -420,15 +436,20 @@ def test_the_real_h200_torch_passes_the_torch_checks(h200):
     assert outcome("torch_cuda_op", settings, readings).passed
 
 
-def test_torch_checks_fail_on_the_wrong_gpu_or_result_and_skip_without_cuda(h200):
+def test_torch_checks_fail_on_the_wrong_gpu_or_result_and_without_cuda(h200):
     settings = h200.settings(gpu_compute_capability="12.0")
     assert "torch sees 1: cuda:0 is (9, 0)" in outcome("torch_device_capability", settings, torch_report()).detail
     wrong = torch_report(ops=[{"device": 0, "error": "CUDA error: no kernel image is available for execution"}])
     assert "no kernel image" in outcome("torch_cuda_op", settings, wrong).detail
     assert outcome("torch_cuda_build", settings, torch_report(cuda="12.8")).status == FAILED
-    no_gpu = torch_report(available=False)
-    assert outcome("torch_cuda_op", settings, no_gpu).detail == "torch.cuda.is_available() is False on h200"
-    assert outcome("sglang_sm120", settings, no_gpu).status == SKIPPED
+    # what real torch warns from is_available() on a host without a driver (torch/cuda/__init__.py)
+    reason = ("CUDA initialization: Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU "
+              "and installed a driver from http://www.nvidia.com/Download/index.aspx")
+    no_gpu = torch_report(available=False, unavailable_reason=reason)
+    for check in ("torch_device_capability", "torch_cuda_op", "sglang_sm120"):
+        result = outcome(check, settings, no_gpu)
+        assert (result.status, result.detail) == (
+            FAILED, f"torch.cuda.is_available() is False on h200, host data expects gpu_count = 1: {reason}")
 
 
 def test_package_versions_must_match_local_labels_too(h200):
@@ -451,14 +472,17 @@ def test_the_python_probe_runs_in_the_venv_and_reports_what_is_missing(h200, tmp
     (site / "torch").mkdir()
     (site / "torch" / "__init__.py").write_text(
         "__version__ = '2.9.1+cu128'\nclass version:\n    cuda = '12.8'\n"
-        "class cuda:\n    is_available = staticmethod(lambda: False)\n")
+        "import warnings\n\n\ndef _none():\n    warnings.warn('CUDA initialization: Found no NVIDIA driver')\n"
+        "    return False\n\n\nclass cuda:\n    is_available = staticmethod(_none)\n")
     (site / "torch-2.9.1+cu128.dist-info").mkdir()
     (site / "torch-2.9.1+cu128.dist-info" / "METADATA").write_text("Name: torch\nVersion: 2.9.1+cu128\n")
     readings = h200.read(settings, "python")
     assert outcome("torch_cuda_build", settings, readings).detail.endswith("is built for CUDA 12.8, expected 13.0")
     assert "torch 2.9.1+cu128 in" in outcome("package_version", settings, readings, "torch").detail
     assert "flashinfer-python is not installed" in outcome("package_version", settings, readings, "flashinfer-python").detail
-    assert outcome("torch_cuda_op", settings, readings).status == SKIPPED
+    assert outcome("torch_cuda_op", settings, readings).detail == (
+        "torch.cuda.is_available() is False on h200, host data expects gpu_count = 1: "
+        "CUDA initialization: Found no NVIDIA driver")   # the warning, as verify-python.py caught it
     assert "ModuleNotFoundError" in report(readings.python)["sm120_error"]
 
 

@@ -80,13 +80,17 @@ def test_a_failing_check_fails_the_host_saying_which_and_why(caplog):
             "GPU 0 (NVIDIA H200, 00000000:00:06.0) reports 9.0") in caplog.text
 
 
-def test_skipped_checks_are_logged_with_their_reason(caplog):
+def test_a_driver_that_does_not_answer_fails_the_gpu_checks_naming_the_cause(caplog):
+    """Host data always expects GPUs: no skip, a failure."""
     caplog.set_level(logging.DEBUG, logger="pyinfra")
     state = make_state(fake_responses={READS_GPUS: ["smi_missing"]})
     add_deploy(state, verify, names=GPU_CHECKS)
-    run_ops(state)
-    assert "gpu_count skipped: no NVIDIA driver answers on @fake/gpu1: nvidia-smi not found" in caplog.text
-    assert "verified: 0 check(s) passed, 3 skipped" in caplog.text
+    with pytest.raises(PyinfraError):  # the only host failed
+        run_ops(state)
+    assert fake_host(state) in state.failed_hosts
+    assert ("refused: verify gpu_count: no NVIDIA driver answers on @fake/gpu1, host data expects gpu_count = 1: "
+            "nvidia-smi not found (no NVIDIA driver installed?)") in caplog.text
+    assert " skipped" not in caplog.text
 
 
 def test_the_deploy_runs_every_check_but_the_generate_request():

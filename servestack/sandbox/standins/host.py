@@ -3,6 +3,8 @@
 `dress_gpu_host(root)` writes into the host's tree (e.g. the upper dir of its overlay):
 
 - /usr/bin/nvidia-smi: the nvidia-smi stand-in (8x RTX PRO 6000 Blackwell by default);
+- a boot unit making /dev/nvidiactl and /dev/nvidiaN stand-ins (plain files: what a loaded driver's
+  kernel module makes, for the checks that look for them) when the stand-in's driver is loaded;
 - /usr/local/cuda-12.8: a stand-in CUDA 12.8.1 toolkit, and /usr/local/cuda -> cuda-12.8;
 - /opt/ml-env: a venv laid out as `uv venv` makes it on Debian bookworm's python3 3.11.2
   (pyvenv.cfg naming uv, bin/python -> /usr/bin/python3, lib64 -> lib), holding the stand-in
@@ -39,6 +41,40 @@ def install_nvidia_smi(root: Path, gpu: Gpu | None = None) -> Path:
     path.write_text(render_nvidia_smi(gpu))
     path.chmod(0o755)
     return path
+
+
+DEVICE_NODES_UNIT = "servestack-standin-gpu-nodes.service"
+
+
+def install_device_nodes(root: Path, gpu: Gpu | None = None) -> Path | None:
+    """Write, enabled, a unit that makes the stand-in GPUs' device nodes at boot (/dev is made anew
+    then): /dev/nvidiactl and one /dev/nvidiaN per GPU, plain files. None when the stand-in's driver
+    is not loaded: a host whose kernel module did not load has no nodes."""
+    gpu = gpu or Gpu()
+    if not gpu.driver_loaded:
+        return None
+    nodes = " ".join(["/dev/nvidiactl", *(f"/dev/nvidia{index}" for index in range(gpu.count))])
+    unit = _inside(root, f"/etc/systemd/system/{DEVICE_NODES_UNIT}")
+    _write(unit, f"""# STAND-IN for the NVIDIA kernel module's device nodes (servestack sandbox): plain files, no driver.
+[Unit]
+Description=servestack sandbox: stand-in NVIDIA device nodes
+DefaultDependencies=no
+Before=sysinit.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/bin/touch {nodes}
+ExecStart=/usr/bin/chmod 0666 {nodes}
+
+[Install]
+WantedBy=sysinit.target
+""")
+    wants = _inside(root, f"/etc/systemd/system/sysinit.target.wants/{DEVICE_NODES_UNIT}")
+    wants.parent.mkdir(parents=True, exist_ok=True)
+    if not wants.is_symlink():
+        wants.symlink_to(f"/etc/systemd/system/{DEVICE_NODES_UNIT}")
+    return unit
 
 
 def install_old_toolkit(root: Path) -> Path:
@@ -111,6 +147,7 @@ def dress_gpu_host(root: Path, *, gpu: Gpu | None = None, with_cuda_128: bool = 
     """Make the host tree at `root` look like a GPU host before the upgrade (see the module docstring)."""
     root = Path(root)
     install_nvidia_smi(root, gpu)
+    install_device_nodes(root, gpu)
     if with_cuda_128:
         install_old_toolkit(root)
     if with_ml_env:

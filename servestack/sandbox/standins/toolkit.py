@@ -2,7 +2,8 @@
 
 `write_toolkit_tree(root, version, nvcc_version)` writes the files the deploy reads or
 fingerprints: `bin/nvcc` (a sh script printing the real `nvcc --version` and
-`--list-gpu-arch`/`--list-gpu-code` text; it compiles nothing), `version.json` in the real
+`--list-gpu-arch`/`--list-gpu-code` text; it compiles nothing: the program it "builds" SIMULATES
+the verify sample on the stand-in GPUs, SIMULATED_SAMPLE), `version.json` in the real
 format, `bin/cuda-uninstaller`, headers with the real version macros, and placeholder
 libraries under `targets/x86_64-linux` with the real `lib64`/`include` links, so a
 "file list + sizes" fingerprint of the tree is meaningful. Nothing in it is NVIDIA's.
@@ -61,7 +62,8 @@ def _nvcc_script(nvcc_version: str) -> str:
     code_lines = "\n".join(f"sm_{arch}" for arch in archs)
     return f"""#!/bin/sh
 # {STANDIN_NOTE}.
-# Prints what the real nvcc {nvcc_version} prints for --version, --list-gpu-arch and --list-gpu-code.
+# Prints what the real nvcc {nvcc_version} prints for --version, --list-gpu-arch and --list-gpu-code;
+# for anything else it writes the -o file as a program SIMULATING the verify sample (no GPU code).
 case "$1" in
 --version|-V)
     cat <<'EOF'
@@ -78,10 +80,58 @@ EOF
 EOF
     ;;
 *)
-    echo "nvcc stand-in (servestack sandbox): cannot compile, there is no CUDA compiler here" >&2
-    exit 1
+    # "Compiles" SOURCE into OUT: a program that SIMULATES the built sample on the stand-in GPUs.
+    out= source= codes=
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        -o) out=$2; shift ;;
+        -gencode) codes="$codes ${{2##*code=}}"; shift ;;
+        -*) ;;
+        *) source=$1 ;;
+        esac
+        shift
+    done
+    if [ -z "$source" ]; then
+        echo "nvcc fatal   : No input files specified; use option --help for more information" >&2; exit 1
+    fi
+    [ -r "$source" ] || {{ echo "nvcc fatal   : Could not open input file '$source'" >&2; exit 1; }}
+    {{ echo '#!/usr/bin/python3 -IS'; echo "CODES = '$codes'.split()"; cat <<'EOF'
+{SIMULATED_SAMPLE}EOF
+    }} > "${{out:-a.out}}" && chmod 755 "${{out:-a.out}}"
     ;;
 esac
+"""
+
+
+#: The program the stand-in nvcc "builds" from any source (files/verify/vector_add.cu for servestack):
+#: what the real sample prints (tests/fixtures/h200-ubuntu2404/verify/sample-*.txt), for the GPUs the
+#: stand-in nvidia-smi lists, a device passing when the build has code for its architecture.
+SIMULATED_SAMPLE = """# STAND-IN: a CUDA program built by the stand-in nvcc (servestack sandbox). Nothing ran on a GPU:
+# it prints what files/verify/vector_add.cu prints, SIMULATED for the stand-in nvidia-smi's GPUs.
+import subprocess
+import sys
+
+N = 1 << 20
+print("[SIMULATED by the stand-in nvcc's program: no GPU code ran]")
+try:
+    answer = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap,name", "--format=csv,noheader"],
+                            capture_output=True, text=True)
+except OSError:
+    answer = None
+if answer is None or answer.returncode != 0:
+    print("devices 0: FAIL cudaGetDeviceCount: no CUDA-capable device is detected")
+    sys.exit(2)
+failed = 0
+gpus = [line.split(",", 1) for line in answer.stdout.splitlines() if line.strip()]
+for device, (capability, name) in enumerate(gpus):
+    sm = "sm_" + capability.strip().replace(".", "")
+    ok = sm in CODES
+    launch = "no error" if ok else "no kernel image is available for execution on the device"
+    print(f'device {device} {sm} "{name.strip()}": {"PASS" if ok else "FAIL"} bad={0 if ok else N}/{N} '
+          f"launch={launch} sync=no error")
+    failed += not ok
+print(f"devices {len(gpus)}: {'FAIL' if failed else 'PASS'}")
+sys.exit(1 if failed else 0)
 """
 
 

@@ -164,11 +164,25 @@ def _note(name: str, version: str) -> str:
 
 def torch_wheel(version: str) -> WheelSpec:
     """torch `version` ('2.9.1+cu130'): torch.version.cuda of that build, the cuDNN of the installed
-    nvidia-cudnn wheel, never a GPU, placeholders for the rest (payload/torch_init.py)."""
+    nvidia-cudnn wheel, the stand-in nvidia-smi's GPUs SIMULATED (payload/torch_gpus.py), placeholders
+    for the rest (payload/torch_init.py)."""
     note = _note("PyTorch", version)
-    init = _payload("torch_init.py").replace("@NOTE@", note).replace("@VERSION@", version)
-    files = {"torch/__init__.py": init.replace("@CUDA@", cuda_of(version)), "torch/_standin.py": _payload("standin.py")}
+    files = {"torch/__init__.py": _payload("torch_init.py").replace("@NOTE@", note),
+             "torch/version.py": _torch_version_py(version), "torch/_standin.py": _payload("standin.py"),
+             "torch/_standin_gpus.py": _payload("torch_gpus.py")}
     return WheelSpec("torch", version, TORCH_TAG, files, (), note)
+
+
+def _torch_version_py(version: str) -> str:
+    """torch/version.py as real torch writes it. `__version__` has the build's local label even where the wheel's
+    version has none (PyPI's 2.11.0 wheel: Version 2.11.0, torch.__version__ '2.11.0+cu130')."""
+    cuda = cuda_of(version)
+    runtime = version if Version(version).local else f"{version}+cu{cuda.replace('.', '')}"
+    return ("from typing import Optional\n\n"
+            "__all__ = ['__version__', 'debug', 'cuda', 'git_version', 'hip', 'rocm', 'xpu']\n"
+            f"__version__ = '{runtime}'\ndebug = False\ncuda: Optional[str] = '{cuda}'\n"
+            "git_version = 'standin'\nhip: Optional[str] = None\nrocm: Optional[str] = None\n"
+            "xpu: Optional[str] = None\n")
 
 
 def torch_companion_wheel(name: str, version: str, torch_version: str) -> WheelSpec:
@@ -211,11 +225,20 @@ def sgl_kernel_wheel(version: str, dist: str = "sgl-kernel") -> WheelSpec:
                      file_version=version if metadata_version != version else "")
 
 
+#: A sandbox knob, not flashinfer's: while this file exists on a host, importing the stand-in flashinfer
+#: waits. A venv build's release checks import it (files/scripts/check_release.py), so a test holds a
+#: build there for as long as it needs (tests/integration/test_interrupted.py), instead of racing it.
+FLASHINFER_IMPORT_HOLD = "/etc/servestack-sandbox/flashinfer-import-hold"
+_HOLD = (f"import os as _os\nimport time as _time\n\nwhile _os.path.lexists({FLASHINFER_IMPORT_HOLD!r}):"
+         "  # SANDBOX KNOB (tests)\n    _time.sleep(0.2)\n")
+
+
 def flashinfer_python_wheel(version: str) -> WheelSpec:
-    """flashinfer-python `version` with the real import-time version check of its companions."""
+    """flashinfer-python `version` with the real import-time version check of its companions (and the
+    sandbox's hold, FLASHINFER_IMPORT_HOLD)."""
     note = _note("flashinfer-python", version)
     files = {
-        "flashinfer/__init__.py": (f'"""{note}."""\nfrom .version import __version__ as __version__\n'
+        "flashinfer/__init__.py": (f'"""{note}."""\n{_HOLD}from .version import __version__ as __version__\n'
                                    "from . import jit as jit\n"),
         "flashinfer/version.py": f'__version__ = "{version}"\n',
         "flashinfer/jit/__init__.py": "from . import env as env\n",

@@ -1,32 +1,20 @@
 """@NOTE@.
 
-What it says is true of the build it stands for: `__version__`, `torch.version.cuda`, and
+What it says is true of the build it stands for: `__version__` and `torch.version.cuda` (torch/version.py, with
+the local label real torch reports even where the wheel's version has none: PyPI's 2.11.0 says 2.11.0+cu130), and
 `torch.backends.cudnn.version()`, which (as real torch loads the cuDNN of the nvidia-cudnn wheel
-installed beside it) is the version of the installed nvidia-cudnn-cu13/-cu12 distribution. There
-is never a GPU: `torch.cuda.is_available()` is False and every device query raises real torch's
-no-driver error. Other names are placeholders (torch/_standin.py).
+installed beside it) is the version of the installed nvidia-cudnn-cu13/-cu12 distribution. Its GPUs
+are SIMULATED: those the sandbox's stand-in nvidia-smi lists, or none, with real torch's no-driver
+error (torch/_standin_gpus.py). Other names are placeholders (torch/_standin.py).
 """
 
 import builtins
 import importlib.metadata
 import sys
-import types
 
-from torch import _standin
+from torch import _standin, _standin_gpus, version
 
-__version__ = "@VERSION@"
-
-version = types.ModuleType("torch.version")
-version.__version__ = __version__
-version.cuda = "@CUDA@"
-version.hip = None
-version.xpu = None
-version.debug = False
-version.git_version = "standin"
-sys.modules["torch.version"] = version
-
-_NO_DRIVER = ("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU "
-              "and installed a driver from http://www.nvidia.com/Download/index.aspx")
+__version__ = version.__version__
 
 
 class dtype:
@@ -81,19 +69,14 @@ class Size(tuple):
 Tensor = _standin.placeholder("torch.Tensor")
 
 
-def _no_driver(*args, **kwargs):
-    raise RuntimeError(_NO_DRIVER)
-
-
 cuda = _standin.PlaceholderModule("torch.cuda")
 cuda.__path__ = []
 sys.modules["torch.cuda"] = cuda
-cuda.is_available = lambda: False
-cuda.is_initialized = lambda: False
-cuda.device_count = lambda: 0
-for _name in ("get_device_capability", "get_device_name", "get_device_properties", "mem_get_info",
-              "current_device", "set_device", "synchronize"):
-    setattr(cuda, _name, _no_driver)
+cuda.is_initialized = lambda: bool(_standin_gpus.gpus())
+for _name in ("is_available", "device_count", "get_device_capability", "get_device_name", "get_device_properties",
+              "mem_get_info", "current_device", "set_device", "synchronize"):
+    setattr(cuda, _name, getattr(_standin_gpus, _name))
+arange, ones = _standin_gpus.arange, _standin_gpus.ones
 
 
 def _cudnn_version():

@@ -1,0 +1,32 @@
+"""`./servestack.sh test` runs only where the suite can: on the sandbox hosts' Python (README's quick start)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_tests_with_host_python(tmp_path: Path, version: str) -> subprocess.CompletedProcess:
+    python = tmp_path / "python3"
+    python.write_text(f"#!/bin/sh\necho {version}\n")
+    python.chmod(0o755)
+    return subprocess.run([str(ROOT / "servestack.sh"), "test", "--collect-only", "-q", "tests/unit/test_framing.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "SERVESTACK_TEST_HOST_PYTHON": str(python)})
+
+
+def test_the_suite_stops_first_on_another_python(tmp_path):
+    run = run_tests_with_host_python(tmp_path, "3.12")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"servestack: the test suite needs {tmp_path}/python3 to be Python 3.11, the sandbox hosts' (Debian 12); it "
+        "is 3.12 here (the stand-in wheels are CPython 3.11 builds, installed into venvs made from it)")
+
+
+def test_on_the_hosts_python_it_runs(tmp_path):
+    run = run_tests_with_host_python(tmp_path, "3.11")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "tests collected" in run.stdout or "test collected" in run.stdout
