@@ -1,15 +1,20 @@
 """Stand-in for NVIDIA's `nvidia-smi`, installed at /usr/bin/nvidia-smi on sandbox hosts.
 
 Sandbox hosts have no GPU and no driver. `render_nvidia_smi(gpu)` returns an executable python3
-script that prints, with fixed values, exactly the formats the real tool prints (captured in
-shared/fixtures/h200-ubuntu2404/) for the options the deploy and its tests use:
+script that prints, with fixed values, what the real tool of a 580 driver prints (real outputs in
+tests/fixtures/h200-ubuntu2404/ and tests/fixtures/h200-device/, compared in
+tests/unit/test_nvidia_smi_standin.py) for the options the deploy and its tests use:
 
-- `nvidia-smi` (the summary table, one block per GPU),
-- `nvidia-smi -L`,
-- `nvidia-smi --query-gpu=FIELDS --format=csv[,noheader][,nounits]` (unknown field: the real
-  message on stdout and exit 2),
-- `nvidia-smi --version`, and `-i/--id=` to pick GPUs,
-- with `Gpu(driver_loaded=False)`: the real "couldn't communicate with the NVIDIA driver" error, exit 9.
+- `nvidia-smi [-i/--id=IDS]` (the summary table, one block per GPU),
+- `nvidia-smi -L` / `--list-gpus`, `nvidia-smi --version` (each alone, as the real tool demands),
+- `nvidia-smi --query-gpu=FIELDS [--format=csv[,noheader][,nounits]] [-i/--id=IDS]`,
+- IDS: indexes, UUIDs or PCI bus ids, comma separated;
+- the real tool's refusals, word for word, with its exit status: an unknown option, an option another
+  command does not take, a missing value, an unknown field or format modifier, no GPU selected;
+- with `Gpu(driver_loaded=False)`: the "couldn't communicate with the NVIDIA driver" error, exit 9.
+
+`-q` is not implemented: a 580 driver's summary table (`+---` rules) is printed whatever the driver
+version (a 570 driver's differs in two lines: tests/fixtures/rtx-pro-6000-aws-g7e/).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class Gpu:
     driver_version: str = field(default_factory=lambda: manifest().cuda["min_driver"])
     cuda_version: str = field(default_factory=_cuda_major_minor)
     memory_mib: int = 97887
+    memory_free_mib: int | None = None   # None: all of it (the driver's reserved share is not modelled)
     power_cap_w: int = 600
     power_draw_w: int = 33
     temperature_c: int = 31
@@ -73,6 +79,7 @@ def render_nvidia_smi(gpu: Gpu | None = None) -> str:
     """Return the text of the stand-in script (install it mode 0755 at /usr/bin/nvidia-smi)."""
     gpu = gpu or Gpu()
     config = asdict(gpu)
+    config["memory_free_mib"] = gpu.memory_mib if gpu.memory_free_mib is None else gpu.memory_free_mib
     config["gpus"] = [{"bus_id": gpu.bus_id(i), "uuid": gpu.uuid(i)} for i in range(gpu.count)]
     # A Python literal, not JSON: the script then needs no json import (it runs on every fact call).
     return _SCRIPT.replace("@CONFIG@", pprint.pformat(config, width=100, sort_dicts=True))
@@ -99,12 +106,16 @@ FIELDS = {
     "driver_version": ("", lambda i: CONFIG["driver_version"]),
     "memory.total": ("MiB", lambda i: str(CONFIG["memory_mib"])),
     "memory.used": ("MiB", lambda i: "0"),
-    "memory.free": ("MiB", lambda i: str(CONFIG["memory_mib"])),
+    "memory.free": ("MiB", lambda i: str(CONFIG["memory_free_mib"])),
     "uuid": ("", lambda i: CONFIG["gpus"][i]["uuid"]),
     "gpu_uuid": ("", lambda i: CONFIG["gpus"][i]["uuid"]),
     "pci.bus_id": ("", lambda i: CONFIG["gpus"][i]["bus_id"]),
     "gpu_bus_id": ("", lambda i: CONFIG["gpus"][i]["bus_id"]),
 }
+VALUED = {"-i": "ids", "--id": "ids", "--query-gpu": "query", "--format": "format"}
+COMMANDS = {"-L": "list", "--list-gpus": "list", "--version": "version"}
+FORMAT_MODIFIERS = ("csv", "noheader", "nounits", "")
+HELP = " Please run 'nvidia-smi -h' for help.\n"
 RULE = "+-----------------------------------------+------------------------+----------------------+"
 
 
@@ -113,52 +124,78 @@ def fail(message, code):
     sys.exit(code)
 
 
-def bad_option(option):
-    fail("ERROR: Option %s is not recognized. Please run 'nvidia-smi -h' for help.\n" % option, 2)
+def options(argv):
+    """[(as written, kind, value)]: kind is ids, query, format, list, version or unknown."""
+    found, args = [], list(argv)
+    while args:
+        arg = args.pop(0)
+        name, equals, value = arg.partition("=")
+        if arg in COMMANDS:
+            found.append((arg, COMMANDS[arg], None))
+        elif equals and name in ("--id", "--query-gpu", "--format"):
+            found.append((arg, VALUED[name], value))
+        elif arg in VALUED:
+            if not args:
+                fail("ERROR: Option %s is missing its value." % arg + HELP, 255)
+            found.append((arg, VALUED[arg], args.pop(0)))
+        else:
+            found.append((arg, "unknown", None))
+    return found
+
+
+def check_command(found, command):
+    """-L and --version take no other option (--version outranks -L)."""
+    if [kind for _, kind, _ in found].count(command) > 1:
+        fail("ERROR: Only one command can be run at a time." + HELP, 2)
+    for text, kind, _ in found:
+        if kind != command:
+            fail("ERROR: Option %s is not valid for this command." % text + HELP, 2)
 
 
 def parse(argv):
-    options = {"ids": None, "query": None, "format": None, "list": False, "version": False}
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg in ("-L", "--list-gpus"):
-            options["list"] = True
-        elif arg == "--version":
-            options["version"] = True
-        elif arg in ("-i", "--id") and args:
-            options["ids"] = args.pop(0)
-        elif arg.startswith("--id="):
-            options["ids"] = arg.split("=", 1)[1]
-        elif arg.startswith("--query-gpu="):
-            options["query"] = arg.split("=", 1)[1]
-        elif arg.startswith("--format="):
-            options["format"] = arg.split("=", 1)[1]
-        else:
-            bad_option(arg)
-    return options
+    found = options(argv)
+    kinds = [kind for _, kind, _ in found]
+    command = "version" if "version" in kinds else "list" if "list" in kinds else None
+    if command:
+        check_command(found, command)
+    unknown = [text for text, kind, _ in found if kind == "unknown"
+               or (kind == "format" and "query" not in kinds)]
+    if unknown and "query" in kinds:
+        fail("ERROR: Option %s is not recognized." % unknown[0] + HELP, 2)
+    if unknown:
+        fail("ERROR: Option %s is not recognized. Please run 'nvidia-smi -h'.\n" % unknown[0], 255)
+    values = {kind: value for _, kind, value in found}
+    return command or ("query" if "query" in kinds else "table"), values
 
 
 def selected(ids):
     every = range(len(CONFIG["gpus"]))
     if ids is None:
         return list(every)
-    chosen = []
-    for token in ids.split(","):
-        if not token.strip().isdigit() or int(token) not in every:
-            fail("No devices were found", 6)
-        chosen.append(int(token))
+    if ids == "":
+        sys.stdout.write("Failed to parse device string on command line")
+        sys.exit(255)
+    wanted = ids.split(",")
+    chosen = [i for i in every if any(is_gpu(i, token) for token in wanted)]
+    if not chosen:
+        fail("No devices were found", 6)
     return chosen
 
 
-def query(fields_text, format_text, gpus):
-    fields = [name.strip() for name in fields_text.split(",") if name.strip()]
+def is_gpu(i, token):
+    gpu = CONFIG["gpus"][i]
+    return (token.isdigit() and int(token) == i) or token in (gpu["uuid"], gpu["bus_id"])
+
+
+def query(fields_text, format_text, ids):
+    fields = [name for name in fields_text.split(",") if name]
     for name in fields:
         if name not in FIELDS:
             fail('Field "%s" is not a valid field to query.\n' % name, 2)
-    flags = set((format_text or "").split(","))
-    if "csv" not in flags or not flags <= {"csv", "noheader", "nounits"}:
-        fail("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n", 2)
+    flags = set((format_text or "csv").split(","))
+    if not flags <= set(FORMAT_MODIFIERS):
+        fail("Format modifier is not recognized.", 2)
+    gpus = selected(ids)
     if "noheader" not in flags:
         headers = []
         for name in fields:
@@ -207,27 +244,27 @@ def table(gpus):
     print("+" + "-" * 89 + "+")
 
 
+def version():
+    print("NVIDIA-SMI version  : %s" % CONFIG["driver_version"])
+    print("NVML version        : %s" % CONFIG["driver_version"].rsplit(".", 1)[0])
+    print("DRIVER version      : %s" % CONFIG["driver_version"])
+    print("CUDA Version        : %s" % CONFIG["cuda_version"])
+
+
 def main(argv):
-    options = parse(argv)
+    command, values = parse(argv)
     if not CONFIG["driver_loaded"]:
         fail("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
              "Make sure that the latest NVIDIA driver is installed and running.", 9)
-    if options["version"]:
-        print("NVIDIA-SMI version  : %s" % CONFIG["driver_version"])
-        print("NVML version        : %s" % CONFIG["driver_version"].rsplit(".", 1)[0])
-        print("DRIVER version      : %s" % CONFIG["driver_version"])
-        print("CUDA Version        : %s" % CONFIG["cuda_version"])
-        return
-    gpus = selected(options["ids"])
-    if options["query"] is not None:
-        query(options["query"], options["format"], gpus)
-    elif options["format"] is not None:
-        fail("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n", 2)
-    elif options["list"]:
-        for i in gpus:
+    if command == "version":
+        version()
+    elif command == "list":
+        for i in selected(None):
             print("GPU %d: %s (UUID: %s)" % (i, CONFIG["name"], CONFIG["gpus"][i]["uuid"]))
+    elif command == "query":
+        query(values["query"], values.get("format"), values.get("ids"))
     else:
-        table(gpus)
+        table(selected(values.get("ids")))
 
 
 if __name__ == "__main__":
