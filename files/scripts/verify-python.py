@@ -13,6 +13,7 @@ Exit: 0; what failed is in the report.
 """
 import importlib.metadata as metadata
 import json
+import os
 import sys
 import warnings
 
@@ -47,8 +48,11 @@ try:
         warnings.simplefilter("always")
         available = torch.cuda.is_available()
     info = {"version": torch.__version__, "cuda": torch.version.cuda, "available": available}
-    if not available:
-        info["unavailable_reason"] = "; ".join(str(warning.message) for warning in caught) or None
+    if not available:   # torch warns without a driver; a hidden GPU it does not explain (seen on an H200)
+        reasons = [str(warning.message) for warning in caught]
+        if "CUDA_VISIBLE_DEVICES" in os.environ:
+            reasons.append("CUDA_VISIBLE_DEVICES=%r" % os.environ["CUDA_VISIBLE_DEVICES"])
+        info["unavailable_reason"] = "; ".join(reasons) or None
     if info["available"]:
         count = torch.cuda.device_count()
         info["count"] = count

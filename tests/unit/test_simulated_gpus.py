@@ -52,12 +52,14 @@ def stand_in_torch(tmp_path: Path, version: str = "2.11.0") -> Path:
     return site
 
 
-def verify_python_report(tmp_path: Path, gpu: Gpu | None) -> dict:
+def verify_python_report(tmp_path: Path, gpu: Gpu | None, **env: str) -> dict:
     """The report of the real files/scripts/verify-python.py run against the stand-in torch."""
     path = os.environ["PATH"] if gpu is None else f"{host_bin(tmp_path, gpu)}:{os.environ['PATH']}"
     script = (ROOT / "files" / "scripts" / "verify-python.py").read_text()
+    environment = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
     run = subprocess.run([sys.executable, "-c", script, MARK, json.dumps(["torch"])], capture_output=True, text=True,
-                         env={**os.environ, "PATH": path, "PYTHONPATH": str(stand_in_torch(tmp_path))}, timeout=120)
+                         env={**environment, "PATH": path, "PYTHONPATH": str(stand_in_torch(tmp_path)), **env},
+                         timeout=120)
     line = next(line for line in run.stdout.splitlines() if line.startswith(MARK))
     return json.loads(line.removeprefix(MARK))
 
@@ -75,6 +77,16 @@ def test_with_the_driver_not_loaded_the_stand_in_torch_sees_no_gpu_and_says_why_
                      "unavailable_reason": "CUDA initialization: Found no NVIDIA driver on your system. Please check "
                                            "that you have an NVIDIA GPU and installed a driver from "
                                            "http://www.nvidia.com/Download/index.aspx"}
+
+
+def test_gpus_hidden_by_cuda_visible_devices_are_named_as_the_reason(tmp_path):
+    """Real torch 2.11.0 on the H200 with CUDA_VISIBLE_DEVICES=none: is_available() False and no warning
+    (docs/validation/h200-torch-2.11-2026-12-02.md); the report names the variable."""
+    found = verify_python_report(tmp_path, H200, CUDA_VISIBLE_DEVICES="none")["torch"]
+    assert found == {"version": "2.11.0+cu130", "cuda": "13.0", "available": False,
+                     "unavailable_reason": "CUDA_VISIBLE_DEVICES='none'"}
+    (tmp_path / "b").mkdir()
+    assert verify_python_report(tmp_path / "b", Gpu(count=4), CUDA_VISIBLE_DEVICES="2,1,x,0")["torch"]["count"] == 2
 
 
 def test_a_real_nvidia_smi_is_never_taken_for_the_stand_in(tmp_path):

@@ -10,6 +10,7 @@ sees no GPU and warns as real torch does. Results here are simulated, never a GP
 """
 
 import functools
+import os
 import shutil
 import subprocess
 import warnings
@@ -28,8 +29,13 @@ class Gpu:
         self.multi_processor_count = 0
 
 
-@functools.lru_cache(maxsize=1)
 def gpus():
+    """The GPUs torch sees: the driver's, less those CUDA_VISIBLE_DEVICES hides."""
+    return tuple(driver_gpus()[index] for index in visible(len(driver_gpus())))
+
+
+@functools.lru_cache(maxsize=1)
+def driver_gpus():
     """The stand-in nvidia-smi's GPUs; () when there is none or it does not answer."""
     path = shutil.which("nvidia-smi")
     try:
@@ -50,8 +56,22 @@ def gpus():
     return tuple(found)
 
 
+def visible(count):
+    """The ordinals CUDA_VISIBLE_DEVICES leaves visible, as the CUDA runtime reads it: indexes up to the first
+    entry that is not one of these GPUs (real torch on an H200 with 'none': no GPU, and no warning)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return range(count)
+    indexes = []
+    for entry in listed.split(","):
+        if not entry.strip().isdigit() or int(entry) >= count:
+            break
+        indexes.append(int(entry))
+    return indexes
+
+
 def is_available():
-    if not gpus():
+    if not driver_gpus():
         warnings.warn(NO_DRIVER_WARNING, UserWarning, stacklevel=2)
     return bool(gpus())
 
