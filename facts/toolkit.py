@@ -15,7 +15,8 @@ by the verification suite::
      "recorded": "<UTC>", "run_id": "...",
      "toolkits": {"/usr/local/cuda-12.8": {"present": true, "nvcc_version": "12.8.93",
                   "nvcc": "<nvcc --version text>", "version_json": {...} | null,
-                  "files": 42, "files_sha256": "<sha256 of the sorted file list with sizes>"}},
+                  "files": 42, "files_sha256": "<sha256 of the sorted file list with sizes>",
+                  "mtimes_sha256": "<sha256 of the sorted files' modification times>"}},
      "link": {"path": "/usr/local/cuda", "hops": [["/usr/local/cuda", "/usr/local/cuda-12.8"]],
               "resolved": "/usr/local/cuda-12.8", "kind": "link"},
      "installed": {"version": "13.0.1", "path": ..., "nvcc_version": ..., "at": "<UTC>",
@@ -262,7 +263,13 @@ class CudaToolkits(FactBase):
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What must not change in a kept toolkit: nvcc, version.json and the file list with sizes."""
+    """What must not change in a kept toolkit: nvcc, version.json, the file list with sizes and the files'
+    modification times (a file rewritten with its size unchanged). A record made before fingerprints had
+    the times (no `mtimes_sha256`) is compared without them.
+
+    What it cannot see: a file rewritten with both its size and its modification time kept (`cp -p`,
+    `touch -r`, `tar -x` of a same-size file with the same time), and changes of owner or mode.
+    """
 
     path: str
     present: bool
@@ -271,15 +278,18 @@ class Fingerprint:
     version_json: dict | None = None
     files: int = 0
     files_sha256: str | None = None
+    mtimes_sha256: str | None = None
 
     def to_record(self) -> dict:
         return {"present": self.present, "nvcc_version": self.nvcc_version, "nvcc": self.nvcc,
-                "version_json": self.version_json, "files": self.files, "files_sha256": self.files_sha256}
+                "version_json": self.version_json, "files": self.files, "files_sha256": self.files_sha256,
+                "mtimes_sha256": self.mtimes_sha256}
 
     @classmethod
     def from_record(cls, path: str, record: dict) -> "Fingerprint":
         return cls(path, bool(record.get("present")), record.get("nvcc_version"), record.get("nvcc", ""),
-                   record.get("version_json"), int(record.get("files") or 0), record.get("files_sha256"))
+                   record.get("version_json"), int(record.get("files") or 0), record.get("files_sha256"),
+                   record.get("mtimes_sha256"))
 
     def differences(self, other: "Fingerprint") -> list[str]:
         """What changed from `self` (the record) to `other` (now), in words."""
@@ -292,6 +302,9 @@ class Fingerprint:
             changes.append("version.json changed")
         if (self.files, self.files_sha256) != (other.files, other.files_sha256):
             changes.append(f"file list or sizes changed ({self.files} files before, {other.files} now)")
+        elif None not in (self.mtimes_sha256, other.mtimes_sha256) and self.mtimes_sha256 != other.mtimes_sha256:
+            changes.append(f"a file was rewritten with its size unchanged: same {self.files} files and sizes, "
+                           "other modification times")
         return changes
 
 
@@ -303,7 +316,7 @@ def fingerprint_command(path: str) -> str:
 def parse_fingerprint(path: str, lines: list[str]) -> Fingerprint:
     if "fp_present" not in lines:
         return Fingerprint(path, present=False)
-    nvcc_lines, nvcc_exit, version_json, files, files_sha256 = [], None, None, 0, None
+    nvcc_lines, nvcc_exit, version_json, files, files_sha256, mtimes_sha256 = [], None, None, 0, None, None
     for line in lines:
         key, _, rest = line.partition(" ")
         if key == "fp_nvcc":
@@ -315,9 +328,12 @@ def parse_fingerprint(path: str, lines: list[str]) -> Fingerprint:
         elif key == "fp_files":
             count, _, digest = rest.partition(" ")
             files, files_sha256 = int(count), digest.strip()
+        elif key == "fp_mtimes":
+            mtimes_sha256 = rest.strip()
     text = "\n".join(nvcc_lines)
     nvcc = parse_nvcc_version(text) if nvcc_exit == 0 else None
-    return Fingerprint(path, True, nvcc.version if nvcc else None, text, version_json, files, files_sha256)
+    return Fingerprint(path, True, nvcc.version if nvcc else None, text, version_json, files, files_sha256,
+                       mtimes_sha256)
 
 
 class ToolkitFingerprint(FactBase):

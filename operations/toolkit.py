@@ -15,6 +15,9 @@ it for deploy.py's batched read):
   --tmpdir says and crashes on one it cannot replace: an earlier one is moved aside first, and its
   log is read from there after. Its compiler check can refuse the host's gcc: that failure is told
   from the log and names `cuda_installer_override` (True passes --override, which skips the check).
+- A kept toolkit's fingerprint recorded before fingerprints had the files' modification times gets
+  them, once, on whatever run comes next, where the tree still matches the rest of that fingerprint
+  (one that no longer does keeps its record: the verify step fails it).
 - A failed install moves the tree aside to `<install_path>.failed-<UTC>` and shows the tail of the
   installer log; the next run installs again. An install interrupted before its checks (the
   control machine died) is finished, or moved aside, by the next run, which finds
@@ -447,6 +450,25 @@ def paths_to_record(settings: Settings, state: ToolkitState) -> tuple[str, ...]:
     return tuple(path for path in kept_paths(settings) if path not in record.get("toolkits", {}))
 
 
+def paths_to_complete(settings: Settings, state: ToolkitState) -> tuple[str, ...]:
+    """Kept toolkits present in a record of this target made before fingerprints had the files'
+    modification times (no `mtimes_sha256`): `completed` adds them once."""
+    record = state.record
+    if record is None or state.record_invalid or record.get("target") != record_target(settings):
+        return ()
+    recorded = record.get("toolkits", {})
+    return tuple(path for path in kept_paths(settings) if isinstance(recorded.get(path), dict)
+                 and recorded[path].get("present") and not recorded[path].get("mtimes_sha256"))
+
+
+def completed(state: ToolkitState, fingerprints: dict) -> dict:
+    """The fingerprints (now) of `paths_to_complete` whose record they still match but for the times: a
+    tree that changed since it was recorded keeps its record, which the verify step fails."""
+    recorded = (state.record or {}).get("toolkits", {})
+    return {path: now for path, now in fingerprints.items()
+            if not Fingerprint.from_record(path, recorded[path]).differences(now)}
+
+
 def new_record(settings: Settings, state: ToolkitState, fingerprints: dict, run: str) -> dict:
     """toolkits.json with `fingerprints` added (a fresh record when there is none for this target)."""
     record = state.record
@@ -542,16 +564,29 @@ class _Steps:
 
 
 def _record_steps(settings: Settings, state: ToolkitState, steps: _Steps) -> None:
-    paths = paths_to_record(settings, state)
-    if not paths:
+    paths, incomplete = paths_to_record(settings, state), paths_to_complete(settings, state)
+    if not paths and not incomplete:
         return
-    fingerprints = dict(zip(paths, reads.read(host, [FactRequest.of(ToolkitFingerprint, path=path)
-                                                      for path in paths])))
-    described = ", ".join(f"{path} ({fp.files} files)" if fp.present else f"{path} (absent)"
-                          for path, fp in fingerprints.items())
+    read = reads.read(host, [FactRequest.of(ToolkitFingerprint, path=path) for path in paths + incomplete])
+    fingerprints, more = dict(zip(paths, read)), completed(state, dict(zip(incomplete, read[len(paths):])))
+    if not fingerprints and not more:
+        return
     target = record_path(settings.servestack_state_dir)
-    steps.lines.append(f"record fingerprints of {described} and {state.link.describe()} in {target}")
-    steps.commands.append(write_json_command(target, new_record(settings, state, fingerprints, run_id(host.state))))
+    steps.lines += _record_lines(state, fingerprints, more, target)
+    steps.commands.append(write_json_command(target, new_record(settings, state, {**fingerprints, **more},
+                                                                run_id(host.state))))
+
+
+def _record_lines(state: ToolkitState, fingerprints: dict, more: dict, target: str) -> list[str]:
+    lines = []
+    if fingerprints:
+        described = ", ".join(f"{path} ({fp.files} files)" if fp.present else f"{path} (absent)"
+                              for path, fp in fingerprints.items())
+        lines.append(f"record fingerprints of {described} and {state.link.describe()} in {target}")
+    if more:
+        lines.append(f"add the files' modification times to the fingerprint of {', '.join(more)} in {target} "
+                     "(recorded before fingerprints had them)")
+    return lines
 
 
 def _link_steps(settings: Settings, chain: LinkChain, steps: _Steps) -> None:

@@ -129,9 +129,23 @@ def _sandbox(args) -> int:
     if args.action == "status":
         lab.print_status()
         return 0
+    problem = _unreachable(lab, args.host if args.action == "exec" else None)
+    if problem:
+        raise ConfigError(problem)
     if args.action == "run":
         return lab.run_in_controller(_strip_separator(args.argv))
     return lab.exec_interactive(args.host, _strip_separator(args.argv))
+
+
+def _unreachable(lab, host: str | None) -> str | None:
+    """Why `sandbox run` / `sandbox exec HOST` cannot reach the sandbox (else ssh or ip netns would say it
+    in their own words: "Could not resolve hostname", "Cannot open network namespace")."""
+    names = [each.name for each in lab.hosts]
+    if not names:
+        return f"sandbox {lab.sandbox.name!r} is not up: `servestack sandbox up --hosts N` starts it"
+    if host is not None and host not in names:
+        return f"sandbox {lab.sandbox.name!r} has no host {host!r}; its hosts: {', '.join(names)}"
+    return None
 
 
 def _fleet_report(args) -> int:

@@ -4,7 +4,9 @@
 Everything that can be refused without a connection is refused here, in one message, one line per
 problem, every host's problems at once: the manifest, the host data (types, strict keys,
 consistency), the secrets `service_secret_env` names (they must be set in this machine's
-environment, which the secrets file is written from) and targets that would act on this machine.
+environment, which the secrets file is written from), targets that would act on this machine, and
+a `rollout_batch` that differs between the targeted hosts (pyinfra runs an operation's batches with one
+`_parallel` for all its hosts, and stops a run whose hosts give two with an error naming neither).
 """
 
 from servestack.errors import ConfigError
@@ -14,12 +16,30 @@ from servestack.targets import REFUSAL, target_problems
 
 def targets_problems(hosts, environ=None) -> list[str]:
     """Every line `validate_targets` refuses `hosts` with, in inventory order (none: they may run)."""
-    _settings, problems = check_inventory(hosts)
+    settings, problems = check_inventory(hosts)
     for index, host in enumerate(hosts):
         problems += [(index, line) for line in secret_problems(host.name, host.data.dict(), environ)]
     problems += target_problems(hosts)
+    problems += [(len(hosts), line) for line in rollout_problems(hosts, settings)]
     problems.sort(key=lambda item: item[0])  # stable: each host's lines stay in that order
     return [line for _index, line in problems]
+
+
+def rollout_problems(hosts, settings: dict) -> list[str]:
+    """The targeted hosts restart as one roll-out, `rollout_batch` hosts at a time: one value for all."""
+    by_value: dict[int, list[str]] = {}
+    for host in hosts:
+        if host.name in settings:
+            by_value.setdefault(settings[host.name].rollout_batch, []).append(host.name)
+    if len(by_value) <= 1:
+        return []
+    found = "; ".join(f"{value} on {_names(names)}" for value, names in sorted(by_value.items()))
+    return [f"'rollout_batch': the hosts of one run restart as one roll-out and need the same value, got {found} "
+            "(set it once for them all, e.g. in group_data/all.py, or --limit the run to hosts that share one)"]
+
+
+def _names(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def validate_targets(state, environ=None) -> None:

@@ -18,9 +18,12 @@
 #   file SIZE MTIME INODE PATH  per FILE that is a file, else `nofile PATH`
 #
 # fingerprint: `fp_absent` when PATH is not a directory; otherwise `fp_present`, the nvcc lines
-# (`fp_nvcc_exit N`, `fp_nvcc LINE`...), `fp_version_json JSON` when there is one, and
+# (`fp_nvcc_exit N`, `fp_nvcc LINE`...), `fp_version_json JSON` when there is one,
 # `fp_files N SHA256`: the number of entries under PATH and the sha256 of their sorted list
-# (`f<TAB>path<TAB>size`, `l<TAB>path<TAB>target`, `<type><TAB>path`, one a line, then a newline).
+# (`f<TAB>path<TAB>size`, `l<TAB>path<TAB>target`, `<type><TAB>path`, one a line, then a newline),
+# and `fp_mtimes SHA256`: the sha256 of the sorted list of the files' modification times
+# (`t<TAB>path<TAB>seconds.fraction`, find's %T@, one a line, then a newline), which sees a file
+# rewritten with its size unchanged.
 #
 # Exit: 0 (what is absent is reported as absent); 2 for an unknown action.
 set -u
@@ -120,20 +123,36 @@ state() {
 }
 
 fingerprint() {
-    local path=$1 list digest IFS
+    local path=$1 found lines entries text digest IFS
     if [ ! -d "$path" ]; then echo fp_absent; return; fi
     echo fp_present
     nvcc_lines fp "$path"
     if [ -f "$path/version.json" ]; then one_line fp_version_json "$path/version.json"; fi
-    list=$(find "$path/" -mindepth 1 \( -type f -printf 'f\t%P\t%s\n' \) -o \( -type l -printf 'l\t%P\t%l\n' \) \
-        -o -printf '%y\t%P\n' | LC_ALL=C sort)
-    digest=$(sha256sum <<<"$list")
-    # the entries: the list's non-empty lines, counted by the shell's own word splitting
+    # one walk for both lists: a file's `t` line sorts after every entry line (find's types: b c d f l p s D)
+    found=$(find "$path/" -mindepth 1 \( -type f -printf 'f\t%P\t%s\nt\t%P\t%T@\n' \) \
+        -o \( -type l -printf 'l\t%P\t%l\n' \) -o -printf '%y\t%P\n' | LC_ALL=C sort)
+    # the lines, split by the shell's own word splitting (no line is empty)
     IFS=$'\n'
     set -f
-    set -- $list
+    lines=($found)
     set +f
-    echo "fp_files $# ${digest%% *}"
+    first_time_line
+    printf -v text '%s\n' "${lines[@]:0:entries}"
+    digest=$(sha256sum <<<"${text%$'\n'}")
+    echo "fp_files $entries ${digest%% *}"
+    printf -v text '%s\n' "${lines[@]:entries}"
+    digest=$(sha256sum <<<"${text%$'\n'}")
+    echo "fp_mtimes ${digest%% *}"
+}
+
+# entries: the index of the first `t` line of the sorted `lines` (their count when none), by bisection
+first_time_line() {
+    local low=0 high=${#lines[@]} middle
+    while [ "$low" -lt "$high" ]; do
+        middle=$(( (low + high) / 2 ))
+        if [[ ${lines[middle]} == t$'\t'* ]]; then high=$middle; else low=$((middle + 1)); fi
+    done
+    entries=$low
 }
 
 case ${1:-} in

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,10 +19,12 @@ from servestack.sandbox import hosts as hosts_module
 from servestack.sandbox.hosts import NSPAWN_PROPAGATE
 from servestack.sandbox import SUDO_USER, AddressCollision, Host, Sandbox, SandboxError
 from servestack.sandbox import cgroups, network, rootfs
+from servestack.sandbox.lab import Lab
 from servestack.sandbox.network import POOL, UsedNetwork, choose_links, parse_resolvers, parse_routes
 
 REPO = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
+SERVESTACK = Path(sys.executable).with_name("servestack")
 MARKER = "etc/servestack-pre-boot"
 
 integration = pytest.mark.integration
@@ -322,6 +326,89 @@ def test_sandboxes_run_side_by_side_and_hosts_outlive_their_process(booted, sand
         names = resource_names(other)
     assert leftovers(other, names) == []
     assert booted.exec("h1", "true").returncode == 0
+
+
+# -- the sandbox commands, as README.md shows them ---------------------------------------------------
+
+# README.md's "Sandbox commands", verbatim: the sandbox is "default" there, named by SERVESTACK_SANDBOX here.
+README_COMMANDS = {
+    "up": '.venv/bin/servestack sandbox up --hosts 3 [--gpu "NVIDIA H200" --capability 9.0 --driver 580.159.04] '
+          '[--user ubuntu]',
+    "run": ".venv/bin/servestack sandbox run -- .venv/bin/pyinfra /var/tmp/servestack-sandbox/default/inventory.py "
+           "deploy.py --dry --diff",
+    "exec": ".venv/bin/servestack sandbox exec h1 -- systemctl status",
+    "down": ".venv/bin/servestack sandbox down",
+}
+
+
+def test_the_readme_shows_the_sandbox_commands_tested_here():
+    block = (REPO / "README.md").read_text().split("## Sandbox commands", 1)[1].split("```")[1]
+    assert [line for line in block.splitlines()[1:] if line.strip()] == list(README_COMMANDS.values())
+
+
+class CliSandbox:
+    """A sandbox the `servestack sandbox` commands made, for the session's teardown: taken down as a fresh
+    process would (nothing to do once `sandbox down` removed it)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def down(self) -> None:
+        Lab(self.name).down()
+
+
+def readme_command(action: str, name: str) -> subprocess.CompletedProcess[str]:
+    """README's `action` command, with the optional parts it shows, for the sandbox `name`."""
+    text = README_COMMANDS[action].replace("[", "").replace("]", "")
+    argv = shlex.split(text.replace("/servestack-sandbox/default/", f"/servestack-sandbox/{name}/"))
+    return sandbox_cli(argv[1:], name)
+
+
+def sandbox_cli(args: list[str], name: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(SERVESTACK), *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "SERVESTACK_SANDBOX": name})
+
+
+@integration
+def test_the_readme_sandbox_commands_up_run_exec_down(sandbox_rootfs, sandbox_name, made):
+    name = made.add(CliSandbox(sandbox_name("readme"))).name
+    up = readme_command("up", name)
+    assert up.returncode == 0, up.stdout + up.stderr
+    inventory = Path(f"/var/tmp/servestack-sandbox/{name}/inventory.py")
+    assert f"inventory: {inventory}" in up.stdout and all(f"│ h{n} " in up.stdout for n in (1, 2, 3))
+    lab = Lab(name)
+    assert [host.name for host in lab.hosts] == ["h1", "h2", "h3"]
+    data = inventory.read_text()
+    assert data.count("'ssh_user': 'ubuntu'") == data.count("'_sudo': True") == 3       # --user ubuntu
+    for host in lab.hosts:                                                              # --gpu --capability --driver
+        gpus = lab.exec(host, "nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader",
+                        check=True).stdout.splitlines()
+        assert gpus and set(gpus) == {"NVIDIA H200, 9.0, 580.159.04"}
+
+    before = lab.fingerprints()
+    dry = readme_command("run", name)
+    said = dry.stdout + dry.stderr
+    assert dry.returncode == 0, said[-6000:]
+    for host in lab.hosts:
+        assert f"[{host.name}] install 13.0.1 into /usr/local/cuda-13.0" in said
+        assert f"[{host.name}] will restart sglang.service on release r-" in said
+    assert lab.fingerprints() == before, "the dry run changed a host"
+
+    status = readme_command("exec", name)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert status.stdout.startswith("● h1\n"), status.stdout[:400]
+    assert re.search(r"State: (running|degraded)", status.stdout), status.stdout[:400]
+    unknown = sandbox_cli(["sandbox", "exec", "host1", "--", "true"], name)
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip() == f"servestack: sandbox '{name}' has no host 'host1'; its hosts: h1, h2, h3"
+
+    names = resource_names(lab.sandbox)
+    down = readme_command("down", name)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert leftovers(lab.sandbox, names) == []
+    assert live_processes_mentioning(str(lab.state_dir)) == []                         # the artifact server too
+    gone = sandbox_cli(["sandbox", "exec", "h1", "--", "true"], name)
+    assert gone.returncode == 2 and f"sandbox '{name}' is not up" in gone.stderr
 
 
 # -- helpers ----------------------------------------------------------------------------

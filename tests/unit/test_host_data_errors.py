@@ -252,6 +252,20 @@ def test_the_limit_decides_which_hosts_are_checked():
     validate_targets(FakeState(hosts, limit={"h2"}), environ={})
 
 
+def test_hosts_of_one_run_with_different_rollout_batches_are_refused_before_connecting():
+    """pyinfra runs an operation's batches with one `_parallel`: two values stopped the run at prepare,
+    after connecting, with "Cannot have different values for `_parallel`" and no host or key named."""
+    hosts = [FakeHost("h1", {"rollout_batch": 2}), FakeHost("h2", {}), FakeHost("h3", {"rollout_batch": 2})]
+    with pytest.raises(ConfigError) as error:
+        validate_targets(FakeState(hosts), environ={})
+    assert str(error.value).splitlines()[1:] == [
+        "'rollout_batch': the hosts of one run restart as one roll-out and need the same value, got 1 on h2; "
+        "2 on h1, h3 (set it once for them all, e.g. in group_data/all.py, or --limit the run to hosts that "
+        "share one)"]
+    validate_targets(FakeState(hosts, limit={"h1", "h3"}), environ={})
+    validate_targets(FakeState([FakeHost(name, {"rollout_batch": 3}) for name in ("h1", "h2")]), environ={})
+
+
 # -- secrets named in host data (issue 16) ----------------------------------------------------------
 
 def test_a_secret_missing_on_the_controller_is_refused_before_connecting():

@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from facts.toolkit import CudaToolkits, Digest, FileStat, Fingerprint, LinkChain
 from operations.toolkit import (
     after_install_problems,
     assess_install,
+    completed,
     download_command,
     file_to_hash,
     host_reads,
@@ -32,6 +34,7 @@ from operations.toolkit import (
     kept_paths,
     link_line,
     new_record,
+    paths_to_complete,
     paths_to_record,
     plan_runfile,
     record_target,
@@ -241,6 +244,24 @@ def test_record_once_per_target():
     assert paths_to_record(s, state(record=other_target)) == kept_paths(s)
 
 
+def test_a_fingerprint_recorded_without_times_is_completed_once_where_the_tree_still_matches():
+    s = settings()
+    timed = replace(FP, mtimes_sha256="a" * 64)
+    record = new_record(s, state(), {FP.path: timed}, "run-1")
+    assert paths_to_complete(s, state(record=record)) == ()
+    old = json.loads(json.dumps(record))
+    del old["toolkits"][FP.path]["mtimes_sha256"]                   # as servestack recorded it before
+    assert paths_to_complete(s, state(record=old)) == (FP.path,)
+    assert completed(state(record=old), {FP.path: timed}) == {FP.path: timed}
+    resized = replace(timed, files=30, files_sha256="e" * 64)
+    assert completed(state(record=old), {FP.path: resized}) == {}    # changed since: its record stays
+    absent = json.loads(json.dumps(old))
+    absent["toolkits"][FP.path] = {"present": False}
+    assert paths_to_complete(s, state(record=absent)) == ()
+    other_target = dict(old, target={**old["target"], "version": "13.0.0"})
+    assert paths_to_complete(s, state(record=other_target)) == ()    # recorded afresh instead
+
+
 def test_link_lines():
     chain = state().link
     assert link_line(settings(), chain) == ("/usr/local/cuda stays -> cuda-12.8", False)
@@ -376,6 +397,57 @@ def test_the_operation_installs_then_a_converged_host_costs_one_read(host_lab, c
     assert (again.get_meta_for_host(host).ops_change, len(host.connector.executed_commands)) == (0, 1)
     run_ops(again)
     assert len(host.connector.executed_commands) == 2                     # one read per stage, nothing else
+
+
+def strip_times(record_file: Path) -> dict:
+    """toolkits.json as servestack wrote it before fingerprints had the files' modification times."""
+    record = json.loads(record_file.read_text())
+    for fingerprint in record["toolkits"].values():
+        fingerprint.pop("mtimes_sha256")
+    record_file.write_text(json.dumps(record))
+    return record
+
+
+@pytest.mark.skipif(not shutil.which("curl") or not shutil.which("flock"), reason="needs curl and flock")
+def test_a_converged_host_with_a_record_without_times_gets_them_once(host_lab, caplog):
+    root, data = host_lab
+    caplog.set_level(logging.INFO, logger="pyinfra")
+    first = fake_state(data)
+    add_deploy(first, cuda_toolkit)
+    run_ops(first)
+    record_file, kept = root / "state" / "toolkits.json", str(root / "cuda-12.8")
+    timed = json.loads(record_file.read_text())["toolkits"][kept]["mtimes_sha256"]
+    assert timed
+    old = strip_times(record_file)
+
+    completing = fake_state(data, Config(DIFF=True))
+    add_deploy(completing, cuda_toolkit)
+    assert completing.get_meta_for_host(fake_host(completing)).ops_change == 1
+    assert f"add the files' modification times to the fingerprint of {kept}" in caplog.text
+    run_ops(completing)
+    record = json.loads(record_file.read_text())
+    assert record["toolkits"][kept] == {**old["toolkits"][kept], "mtimes_sha256": timed}
+    assert record["installed"] == old["installed"]
+
+    again = fake_state(data)
+    add_deploy(again, cuda_toolkit)
+    assert again.get_meta_for_host(fake_host(again)).ops_change == 0
+
+
+@pytest.mark.skipif(not shutil.which("curl") or not shutil.which("flock"), reason="needs curl and flock")
+def test_a_kept_toolkit_changed_since_its_record_without_times_keeps_that_record(host_lab):
+    root, data = host_lab
+    first = fake_state(data)
+    add_deploy(first, cuda_toolkit)
+    run_ops(first)
+    record_file = root / "state" / "toolkits.json"
+    old = strip_times(record_file)
+    (root / "cuda-12.8" / "added-after-the-install").write_text("x")
+    changed = fake_state(data)
+    add_deploy(changed, cuda_toolkit)
+    assert changed.get_meta_for_host(fake_host(changed)).ops_change == 0
+    run_ops(changed)
+    assert json.loads(record_file.read_text()) == old
 
 
 def test_a_toolkit_it_cannot_vouch_for_refuses_the_host_at_prepare(host_lab, caplog):

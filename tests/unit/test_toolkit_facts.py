@@ -165,7 +165,7 @@ def test_link_chain_absent_dangling_and_directory(tmp_path):
     assert chain.kind == "directory" and chain.hops == ()
 
 
-def test_fingerprint_changes_with_sizes_and_files_only(tmp_path):
+def test_fingerprint_reports_a_changed_size_or_file_list_as_such(tmp_path):
     root = write_toolkit_tree(tmp_path / "cuda-12.8")
     before = fact_output(ToolkitFingerprint(), path=str(root))
     assert before.present and before.nvcc_version == "12.8.93" and before.files > 20
@@ -176,6 +176,39 @@ def test_fingerprint_changes_with_sizes_and_files_only(tmp_path):
                                          f"{after.files} now)"]
     (root / "extra").write_text("")
     assert fact_output(ToolkitFingerprint(), path=str(root)).files == before.files + 1
+
+
+def rewrite_keeping_the_size(path: Path, seconds_later: int = 1) -> os.stat_result:
+    """Other bytes of the same length, written `seconds_later` than the file was (the clock the kernel stamps
+    files with can give a write right after another the same time); returns the file's stat from before."""
+    before = path.stat()
+    path.write_bytes(bytes(byte ^ 0xFF for byte in path.read_bytes()))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + seconds_later * 10**9))
+    return before
+
+
+def test_fingerprint_sees_a_file_rewritten_with_its_size_unchanged(tmp_path):
+    root = write_toolkit_tree(tmp_path / "cuda-12.8")
+    header = root / "targets/x86_64-linux/include/cuda.h"
+    before = fact_output(ToolkitFingerprint(), path=str(root))
+    was = rewrite_keeping_the_size(header)
+    after = fact_output(ToolkitFingerprint(), path=str(root))
+    assert (after.files, after.files_sha256) == (before.files, before.files_sha256)   # list and sizes: the same
+    assert before.differences(after) == [f"a file was rewritten with its size unchanged: same {before.files} "
+                                         "files and sizes, other modification times"]
+    os.utime(header, ns=(was.st_atime_ns, was.st_mtime_ns))     # what it cannot see: the time put back
+    assert before.differences(fact_output(ToolkitFingerprint(), path=str(root))) == []
+
+
+def test_a_record_made_before_fingerprints_had_times_is_compared_without_them(tmp_path):
+    root = write_toolkit_tree(tmp_path / "cuda-12.8")
+    record = fact_output(ToolkitFingerprint(), path=str(root)).to_record()
+    old = Fingerprint.from_record(str(root), {key: value for key, value in record.items() if key != "mtimes_sha256"})
+    rewrite_keeping_the_size(root / "targets/x86_64-linux/include/cuda.h")
+    now = fact_output(ToolkitFingerprint(), path=str(root))
+    assert old.mtimes_sha256 is None and old.differences(now) == []
+    (root / "extra").write_text("")
+    assert old.differences(fact_output(ToolkitFingerprint(), path=str(root)))[0].startswith("file list or sizes")
 
 
 def test_fingerprint_round_trips_through_the_record(tmp_path):
@@ -189,7 +222,8 @@ def test_fingerprint_round_trips_through_the_record(tmp_path):
 
 def test_fingerprint_counts_and_hashes_the_sorted_listing_with_shell_builtins(tmp_path):
     """Entries named with glob characters, spaces and tabs count once each (no word splitting but
-    on newlines, no globbing); the hash is the sorted listing's; no grep, cut or sed is started."""
+    on newlines, no globbing); the hashes are the sorted listing's and the sorted files' times' (find's
+    own, read by a second find here); no grep, cut or sed is started."""
     root = write_toolkit_tree(tmp_path / "cuda-12.8")
     for name in ("a*b", "sp ace", "tab\tname", "[x]"):
         (root / name).write_text(name)
@@ -198,6 +232,8 @@ def test_fingerprint_counts_and_hashes_the_sorted_listing_with_shell_builtins(tm
         ["sh", "-c", f"find {root}/ -mindepth 1 \\( -type f -printf 'f\\t%P\\t%s\\n' \\) -o \\( -type l -printf "
                      "'l\\t%P\\t%l\\n' \\) -o -printf '%y\\t%P\\n' | LC_ALL=C sort"],
         capture_output=True, text=True, check=True).stdout
+    times = subprocess.run(["sh", "-c", f"find {root}/ -mindepth 1 -type f -printf 't\\t%P\\t%T@\\n' | LC_ALL=C sort"],
+                           capture_output=True, text=True, check=True).stdout
     bin_dir, log = tmp_path / "bin", tmp_path / "started"
     bin_dir.mkdir()
     for name in ("grep", "cut", "sed"):
@@ -208,6 +244,7 @@ def test_fingerprint_counts_and_hashes_the_sorted_listing_with_shell_builtins(tm
     found = parse_fingerprint(str(root), out.splitlines())
     assert found.files == len(listing.splitlines()) and found.nvcc_version == "12.8.93"
     assert found.files_sha256 == hashlib.sha256(listing.encode()).hexdigest()
+    assert found.mtimes_sha256 == hashlib.sha256(times.encode()).hexdigest()
     assert not log.exists()
 
 
