@@ -216,11 +216,14 @@ def nvidia_cudnn_wheel(name: str, version: str) -> WheelSpec:
 
 
 def sgl_kernel_wheel(version: str, dist: str = "sgl-kernel") -> WheelSpec:
-    """sgl-kernel (or its successor `dist` 'sglang-kernel'): module sgl_kernel with __version__. A
-    kept `metadata_version` is what METADATA says where the file name has a label (+cu130)."""
+    """sgl-kernel (or its successor `dist` 'sglang-kernel'): module sgl_kernel with __version__ and
+    placeholders for the kernels SGLang imports from it once torch sees (the stand-in's simulated) GPUs.
+    A kept `metadata_version` is what METADATA says where the file name has a label (+cu130)."""
     note = _note(dist, version)
     metadata_version = kept(dist, version).get("metadata_version", version)
-    files = {"sgl_kernel/__init__.py": f'"""{note}."""\n__version__ = "{Version(version).public}"\n'}
+    files = {"sgl_kernel/__init__.py": (f'"""{note}."""\nfrom sgl_kernel import _standin\n\n'
+                                        f'__version__ = "{Version(version).public}"\n_standin.install(__name__)\n'),
+             "sgl_kernel/_standin.py": _payload("standin.py")}
     return WheelSpec(dist, metadata_version, SGL_KERNEL_TAG, files, (), note,
                      file_version=version if metadata_version != version else "")
 
@@ -234,12 +237,14 @@ _HOLD = (f"import os as _os\nimport time as _time\n\nwhile _os.path.lexists({FLA
 
 
 def flashinfer_python_wheel(version: str) -> WheelSpec:
-    """flashinfer-python `version` with the real import-time version check of its companions (and the
-    sandbox's hold, FLASHINFER_IMPORT_HOLD)."""
+    """flashinfer-python `version` with the real import-time version check of its companions, placeholders
+    for the kernels SGLang imports once torch sees GPUs (and the sandbox's hold, FLASHINFER_IMPORT_HOLD)."""
     note = _note("flashinfer-python", version)
     files = {
         "flashinfer/__init__.py": (f'"""{note}."""\n{_HOLD}from .version import __version__ as __version__\n'
-                                   "from . import jit as jit\n"),
+                                   "from . import jit as jit\nfrom flashinfer import _standin\n\n"
+                                   "_standin.install(__name__)\n"),
+        "flashinfer/_standin.py": _payload("standin.py"),
         "flashinfer/version.py": f'__version__ = "{version}"\n',
         "flashinfer/jit/__init__.py": "from . import env as env\n",
         "flashinfer/jit/env.py": _FLASHINFER_ENV.replace("@NOTE@", note),
