@@ -2,28 +2,83 @@
 
 The interrupted run is the real pyinfra CLI with the real deploy.py, stopped by SIGTERM or SIGINT
 (Ctrl-C) while a long host-side step runs (files/scripts/busy.sh records it in lock.activity).
+That step is held on the host by a stand-in's knob file until the test removes it (the stand-in
+server's FAKE_SGLANG_HOLD_FILE, the stand-in runfile's install-hold, the stand-in flashinfer's import
+hold in the venv build's release checks): the re-run meets it still running however slow the machine
+is, and nothing waits on a clock but the safety-net timeouts.
 """
 
 import json
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
 
 from pyinfra_run import PYINFRA, ROOT, apply, run_pyinfra
 from servestack.sandbox.lab import STANDIN_SERVER_DIR
+from servestack.sandbox.standins.wheels import FLASHINFER_IMPORT_HOLD
 
 pytestmark = pytest.mark.integration
 
 ACTIVITY = "/var/lib/servestack/lock.activity"
+INSTALL_HOLD = "/etc/servestack-sandbox/install-hold"      # read by the stand-in runfile's installer
+SERVER_HOLD = "/etc/servestack-sandbox/sglang-hold"        # FAKE_SGLANG_HOLD_FILE: /health 503 while it exists
+# The preflight's warning when the lock's run is gone (operations/preflight.py check_lock).
+STALE_LOCK_WARNING = ("the previous run did not finish on this host: stale lock in /var/lib/servestack/lock "
+                      "(run {run_id} ")
 
 
-def start(lab, *args: str) -> subprocess.Popen:
-    argv = lab.controller_argv([PYINFRA, str(lab.inventory_path), "deploy.py", "-y", *args])
-    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
+class Started:
+    """The real pyinfra CLI running, its output (stdout and stderr) read as it comes, line by line."""
+
+    def __init__(self, argv: list[str]):
+        self.process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        stdin=subprocess.DEVNULL)
+        self.lines: list[str] = []
+        self.arrived = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self.arrived:
+                self.lines.append(line)
+                self.arrived.notify_all()
+        with self.arrived:
+            self.arrived.notify_all()
+
+    def output(self) -> str:
+        with self.arrived:
+            return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> None:
+        """Until the run prints a line matching `pattern` (`timeout`: a safety net, not a window)."""
+        def printed() -> bool:
+            return any(re.search(pattern, line) for line in self.lines)
+        with self.arrived:
+            self.arrived.wait_for(lambda: printed() or not self.reader.is_alive(), timeout)
+            if printed():
+                return
+        raise AssertionError(f"the run printed no line matching {pattern!r}:\n{self.output()[-4000:]}")
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+
+def start(lab, *args: str) -> Started:
+    return Started(lab.controller_argv([PYINFRA, str(lab.inventory_path), "deploy.py", "-y", *args]))
+
+
+def hold(lab, host, path: str) -> None:
+    lab.exec(host, f"mkdir -p {path.rsplit('/', 1)[0]} && touch {path}", check=True)
+
+
+def release(lab, host, path: str) -> None:
+    lab.exec(host, f"rm {path}", check=True)
 
 
 def wait_for_step(lab, host, words: str, timeout: float = 240) -> dict:
@@ -47,37 +102,42 @@ def wait_until_idle(lab, host, timeout: float = 240) -> None:
     raise AssertionError(f"{host.name} still busy after {timeout} s")
 
 
-def interrupt(run: subprocess.Popen, signum: int) -> str:
-    run.send_signal(signum)
-    output, _ = run.communicate(timeout=120)
-    return output
+def interrupt(run: Started, signum: int) -> str:
+    run.process.send_signal(signum)
+    run.process.wait(timeout=120)
+    run.reader.join(timeout=60)
+    return run.output()
 
 
 def test_sigterm_during_the_venv_build_then_an_immediate_rerun_leaves_one_release_built_once(lab):
     the_lab = lab(1)
     host = the_lab.hosts[0]
+    hold(the_lab, host, FLASHINFER_IMPORT_HOLD)   # the build waits in its release checks until released
     run = start(the_lab)
     building = wait_for_step(the_lab, host, "venv build")
-    release = building["step"].split()[-1]
+    release_id = building["step"].split()[-1]
     output = interrupt(run, signal.SIGTERM)
     assert run.returncode == 143, output[-4000:]
     assert "[h1] interrupted during 'ML environment: build release | Build release'" in output
     assert "the build goes on on the host, holding the host's lock" in output
 
-    again = run_pyinfra(the_lab, "-y")  # at once: the killed run's build is still running there
+    again = run_pyinfra(the_lab, "-y")  # the killed run's build is still running there, held
     assert again.returncode != 0
-    assert (f"another servestack run holds /var/lib/servestack/lock: run {building['run_id']}" in again.output
-            and f"its connection is gone, but 'venv build {release}'" in again.output), again.output[-4000:]
+    assert f"another servestack run holds /var/lib/servestack/lock: run {building['run_id']}" in again.output, \
+        again.output[-4000:]
+    assert f"its connection is gone, but 'venv build {release_id}'" in again.output, again.output[-4000:]
     assert "SERVESTACK RECAP" in again.output and re.search(r"^h1 +refused +changed=0", again.output, re.M)
 
+    release(the_lab, host, FLASHINFER_IMPORT_HOLD)
     wait_until_idle(the_lab, host)
     final = apply(the_lab)
     assert final.totals["error"] == 0
-    record = json.loads(the_lab.exec(host, f"cat /opt/servestack/releases/{release}/release.json", check=True).stdout)
+    releases = f"/opt/servestack/releases/{release_id}"
+    record = json.loads(the_lab.exec(host, f"cat {releases}/release.json", check=True).stdout)
     assert record["status"] == "ok"
-    log = the_lab.exec(host, f"cat /opt/servestack/releases/{release}/build.log", check=True).stdout
+    log = the_lab.exec(host, f"cat {releases}/build.log", check=True).stdout
     assert log.count("pip compile") == 1, "the release was built more than once"
-    assert the_lab.exec(host, "readlink /opt/ml-env", check=True).stdout.strip().endswith(f"{release}/venv")
+    assert the_lab.exec(host, "readlink /opt/ml-env", check=True).stdout.strip().endswith(f"{release_id}/venv")
     assert apply(the_lab).totals["success"] == 0
 
 
@@ -85,24 +145,30 @@ def test_ctrl_c_during_the_health_gated_restart_ends_non_zero_and_the_gate_finis
     the_lab = lab(1)
     host = the_lab.hosts[0]
     apply(the_lab)
-    slow = json.dumps({"PYTHONPATH": STANDIN_SERVER_DIR, "FAKE_SGLANG_STARTUP_S": "15"})
-    run = start(the_lab, "--data", f"service_env={slow}")
-    wait_for_step(the_lab, host, "health-gated restart")
-    time.sleep(8)   # the gate says how long it has waited, every 5 s
+    env = json.dumps({"PYTHONPATH": STANDIN_SERVER_DIR, "FAKE_SGLANG_HOLD_FILE": SERVER_HOLD})
+    held = ["--data", f"service_env={env}", "--data", "service_health_timeout_s=600"]   # the gate outlasts the test
+    hold(the_lab, host, SERVER_HOLD)   # the restarted server stays "loading" until released
+    run = start(the_lab, *held)
+    gating = wait_for_step(the_lab, host, "health-gated restart")
+    run.wait_for(r"^\s*\[h1\] servestack: waiting for sglang.service to become ready \(\d+ s of 600 s\)$")
     output = interrupt(run, signal.SIGINT)
     assert run.returncode == 130, output[-4000:]
     assert "[h1] interrupted during 'SGLang service | Health-gated restart of sglang.service'" in output
     assert "the health gate goes on on the host" in output
-    assert re.search(r"\[h1\] servestack: waiting for sglang.service to become ready \(\d+ s of 120 s\)", output)
 
-    again = run_pyinfra(the_lab, "-y", "--data", f"service_env={slow}")
-    assert again.returncode != 0 and "'health-gated restart of sglang.service'" in again.output, again.output[-4000:]
+    again = run_pyinfra(the_lab, "-y", *held)
+    assert again.returncode != 0, again.output[-4000:]
+    assert f"another servestack run holds /var/lib/servestack/lock: run {gating['run_id']}" in again.output, \
+        again.output[-4000:]
+    assert "its connection is gone, but 'health-gated restart of sglang.service'" in again.output, \
+        again.output[-4000:]
+    release(the_lab, host, SERVER_HOLD)
     wait_until_idle(the_lab, host)
     assert the_lab.exec(host, "systemctl is-active sglang.service").stdout.strip() == "active"
-    final = apply(the_lab, "deploy.py", "--data", f"service_env={slow}")
+    final = apply(the_lab, "deploy.py", *held)
     assert final.totals["error"] == 0
-    assert "the previous run did not finish on this host" in final.output or "stale" in final.output
-    assert apply(the_lab, "deploy.py", "--data", f"service_env={slow}").totals["success"] == 0
+    assert STALE_LOCK_WARNING.format(run_id=gating["run_id"]) in final.output, final.output[-4000:]
+    assert apply(the_lab, "deploy.py", *held).totals["success"] == 0
 
 
 def test_the_recap_names_each_host_changed_unchanged_and_refused(lab):
@@ -150,8 +216,7 @@ def test_a_run_that_would_prompt_with_stdin_closed_stops_with_a_message_before_c
 def test_sigterm_during_the_runfile_install_then_an_immediate_rerun_leaves_the_toolkit_installed_once(lab):
     the_lab = lab(1)
     host = the_lab.hosts[0]
-    the_lab.exec(host, "mkdir -p /etc/servestack-sandbox && echo 8 > /etc/servestack-sandbox/install-seconds",
-                 check=True)
+    hold(the_lab, host, INSTALL_HOLD)   # the installer waits before it copies the toolkit until released
     run = start(the_lab)
     installing = wait_for_step(the_lab, host, "install")
     output = interrupt(run, signal.SIGTERM)
@@ -162,8 +227,8 @@ def test_sigterm_during_the_runfile_install_then_an_immediate_rerun_leaves_the_t
     again = run_pyinfra(the_lab, "-y")
     assert again.returncode != 0 and f"its connection is gone, but '{installing['step']}'" in again.output, \
         again.output[-4000:]
+    release(the_lab, host, INSTALL_HOLD)
     wait_until_idle(the_lab, host)
-    the_lab.exec(host, "rm /etc/servestack-sandbox/install-seconds", check=True)
     final = apply(the_lab)
     assert final.totals["error"] == 0
     log = the_lab.exec(host, "cat /var/log/cuda-installer.log", check=True).stdout

@@ -16,6 +16,7 @@ import secrets
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,7 +278,7 @@ def test_the_secret_never_appears_in_the_unit_the_output_the_diff_or_the_journal
     first = svc.converge(data, "-y", "--diff", user=SUDO_USER, env={"HF_TOKEN": token})
     assert first.rc == 0, first.log
     pid = svc.main_pid(host)
-    assert svc.sh(host, f"stat -c '%U %G %a' /etc/servestack/sglang.service.env").strip() == "root root 600"
+    assert svc.sh(host, "stat -c '%U %G %a' /etc/servestack/sglang.service.env").strip() == "root root 600"
     assert f"HF_TOKEN={token}" in svc.sh(host, f"tr '\\0' '\\n' < /proc/{pid}/environ")
 
     rotated = "hf_" + secrets.token_hex(16)
@@ -319,7 +320,7 @@ def test_first_deploy_over_a_hand_made_service_rolls_back_to_it(service_lab):
     run = svc.converge({"service_health_timeout_s": 5, "test_activate_during_deploy": activate,
                         "test_release": "r-00000000000b"}, "-y")
     assert run.rc != 0
-    assert f"failed: no HTTP 200 from GET /health within 5 s" in run.log, run.log
+    assert "failed: no HTTP 200 from GET /health within 5 s" in run.log, run.log
     assert f"rolled back to release {adopted}, which is healthy and answering again" in run.log, run.log
     assert svc.sh(host, f"cat {UNIT}") == hand_made
     assert svc.sh(host, "readlink /opt/ml-env").strip() == f"{RELEASES}/{adopted}/venv"
@@ -328,12 +329,14 @@ def test_first_deploy_over_a_hand_made_service_rolls_back_to_it(service_lab):
 
 # -- a fleet ----------------------------------------------------------------------------------------
 
+# One sample per line: {"at": when it began (CLOCK_MONOTONIC, the clock of systemd's *TimestampMonotonic
+# on the one kernel of every sandbox host), "up": {address: whether /generate answered}}.
 POLLER = """
 import json, sys, time, urllib.request
 port, addresses = sys.argv[1], sys.argv[2:]
 body = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode()
 while True:
-    up = {}
+    at, up = time.monotonic(), {}
     for address in addresses:
         request = urllib.request.Request(f"http://{address}:{port}/generate", data=body,
                                          headers={"Content-Type": "application/json"})
@@ -341,23 +344,57 @@ while True:
             up[address] = bool(json.loads(urllib.request.urlopen(request, timeout=1).read())["text"])
         except Exception:
             up[address] = False
-    print(json.dumps(up), flush=True)
+    print(json.dumps({"at": at, "up": up}), flush=True)
     time.sleep(0.05)
 """
 
 
-def poll_while(svc: ServiceLab, action):
-    """Run `action()` while a client in the controller namespace sends /generate to every host."""
+def poll_while(svc: ServiceLab, action, on_sample=lambda sample: None, timeout: float = 120):
+    """Run `action()` while a client in the controller namespace sends /generate to every host, from its
+    first sample (taken before the action starts) to a sample it began after the action ended; each
+    sample is also given to `on_sample` as it comes. `timeout`: a safety net for either wait."""
     argv = [sys.executable, "-u", "-c", POLLER, str(PORT), *(host.address for host in svc.sb.hosts)]
     poller = subprocess.Popen(svc.sb.controller_cmd(argv), stdout=subprocess.PIPE, text=True)
+    samples: list[dict] = []
+    arrived = threading.Condition()
+
+    def read() -> None:
+        for line in poller.stdout:
+            sample = json.loads(line)
+            on_sample(sample)
+            with arrived:
+                samples.append(sample)
+                arrived.notify_all()
+        with arrived:
+            arrived.notify_all()
+
+    def until(condition, what: str) -> None:
+        with arrived:
+            arrived.wait_for(lambda: condition() or not reader.is_alive(), timeout)
+            assert condition(), f"{what} (samples: {samples[-5:]})"
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        time.sleep(0.5)
+        until(lambda: samples, "the poller took no sample")
         result = action()
-        time.sleep(0.5)
+        ended = time.monotonic()
+        until(lambda: samples[-1]["at"] > ended, "the poller took no sample after the action ended")
     finally:
         poller.terminate()
-        output, _ = poller.communicate(timeout=10)
-    return result, [json.loads(line) for line in output.splitlines() if line.strip()]
+        poller.wait(timeout=10)
+        reader.join(timeout=10)
+    with arrived:
+        return result, list(samples)
+
+
+def down_window(svc: ServiceLab, host) -> tuple[float, float]:
+    """(when its server stopped answering, when the new one first answered /health) on `host`, in seconds of
+    CLOCK_MONOTONIC: systemd's ActiveExitTimestampMonotonic, and the stand-in's own line in the journal."""
+    stopped = int(svc.sh(host, "systemctl show --property=ActiveExitTimestampMonotonic --value sglang.service"))
+    said = svc.sh(host, "journalctl -u sglang.service -o cat --no-pager | grep 'fake sglang (stand-in) ready: ' | "
+                        "tail -n 1")
+    return stopped / 1e6, float(said.split()[-1])
 
 
 @integration
@@ -399,25 +436,45 @@ def test_a_server_restarted_by_hand_from_an_edited_unit_is_restarted_from_the_un
     assert again.rc == 0 and again.changed == 0, again.log
 
 
+HOLD = "/etc/servestack-sandbox/sglang-hold"   # FAKE_SGLANG_HOLD_FILE: /health answers 503 while it exists
+
+
 @integration
 def test_rolling_restart_keeps_two_of_three_hosts_answering(service_lab):
+    """Each restarted server is held "loading" until the poller has seen its host not answering, so the
+    client's view of every restart is an event, not a race between its sampling and a start-up time; the
+    hosts' own records (when each server stopped, when the new one first answered /health) show the
+    restarts never overlapped, whatever the poller's sampling rate."""
     svc = service_lab(3)
-    data = {"service_env": {"FAKE_SGLANG_STARTUP_S": "2"}}
-    svc.serve("r-000000000001", data)
+    svc.serve("r-000000000001")
     pids = {host.name: svc.main_pid(host) for host in svc.sb.hosts}
+    held_data = {"service_env": {"FAKE_SGLANG_HOLD_FILE": HOLD}, "service_attention_backend": "triton"}
+    held = {host.address: host for host in svc.sb.hosts}
+    for host in held.values():
+        svc.sh(host, f"mkdir -p {HOLD.rsplit('/', 1)[0]} && touch {HOLD}")
+
+    def release_once_seen_down(sample: dict) -> None:
+        for address, up in sample["up"].items():
+            if not up and address in held:
+                svc.sh(held.pop(address), f"rm {HOLD}")
 
     started = time.monotonic()
-    run, samples = poll_while(svc, lambda: svc.converge({**data, "service_attention_backend": "triton"}, "-y"))
+    run, samples = poll_while(svc, lambda: svc.converge(held_data, "-y"), release_once_seen_down)
     elapsed = time.monotonic() - started
     assert run.rc == 0, run.log
-    assert len(samples) > 30  # the poller ran all along the roll-out
-    answering = [sum(sample.values()) for sample in samples]
+    windows = sorted(down_window(svc, host) for host in svc.sb.hosts)
+    for (_, ready), (next_stopped, _) in zip(windows, windows[1:]):
+        assert ready < next_stopped, f"two servers were down at once: {windows}"
+    assert samples[0]["at"] < windows[0][0] and samples[-1]["at"] > windows[-1][1]   # it polled all along
+    answering = [sum(sample["up"].values()) for sample in samples]
     assert min(answering) >= 2, f"fewer than 2 of 3 hosts answered at some moment: {answering}"
     for host in svc.sb.hosts:
-        assert any(not sample[host.address] for sample in samples), f"{host.name} was never seen restarting"
+        assert any(not sample["up"][host.address] for sample in samples), f"{host.name} was never seen restarting"
         assert svc.main_pid(host) != pids[host.name]
-    assert answering[-1] == 3
-    print(f"rolling restart of 3 hosts: {elapsed:.1f} s, {len(samples)} samples, min answering {min(answering)}")
+    assert answering[0] == answering[-1] == 3
+    print(f"rolling restart of 3 hosts: {elapsed:.1f} s, {len(samples)} samples, min answering {min(answering)}; "
+          "down (s after the first stop): " + ", ".join(f"{stopped - windows[0][0]:.2f}-{ready - windows[0][0]:.2f}"
+                                                        for stopped, ready in windows))
 
 
 def rollout_order(log: str) -> list[tuple[str, str]]:

@@ -19,6 +19,9 @@ a test can make one release broken without touching the unit:
       the baseline configuration of `servestack bench` fail while the profile as written works
   FAKE_SGLANG_STARTUP_S / <venv>/fake-sglang-startup-s
       seconds before /health answers 200 (default 0.5), like a model load
+  FAKE_SGLANG_HOLD_FILE / <venv>/fake-sglang-hold-file
+      a path: while a file is there, GET /health answers 503 even after the start-up time, so a
+      test decides when the load ends (a health gate waits for it meanwhile) instead of racing a clock
   FAKE_SGLANG_THROUGHPUT / <venv>/fake-sglang-throughput
       the simulated decoding speed (`Throughput.parse`): a preset, `win` (default: speculation faster at
       every load), `lose` (speculation slower), `crossover=N` (faster below N concurrent requests,
@@ -30,7 +33,10 @@ Throughput simulation. POST /generate takes the time the simulated server would:
 token, then each token (baseline) or each accepted run of tokens (speculation: `accept` tokens per
 step on average) at a per-request rate that falls with the number of requests in flight,
 rate / (1 + load_factor * (in flight - 1)); speculation's load factor is steeper, so that its
-advantage ends at the crossover. `"stream": true` streams server-sent events as SGLang does
+advantage ends at the crossover. Each chunk is due at the request's arrival plus the simulated time so
+far, and the server sleeps until then: on a loaded machine a late wake-up delays that chunk, not
+every chunk after it, so a request takes its simulated time plus about one wake-up's delay (never
+less), whatever the number of chunks. `"stream": true` streams server-sent events as SGLang does
 (`data: {...}` with the text and meta_info so far, then `data: [DONE]`); `ignore_eos` decodes
 exactly max_new_tokens tokens (otherwise at most 3, the stand-in's short answer). /server_info says
 `"servestack_standin": true` and the simulation's numbers, and reports the running average accept
@@ -211,6 +217,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path in ("/health", "/health_generate"):
             if self.server.healthy():
+                self.server.note_ready()
                 self.reply(200, {"status": "ok"})
             else:
                 self.reply(503, {"status": "starting" if self.server.mode == "ok" else self.server.mode})
@@ -255,8 +262,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
+        due = started
         for wait, step in self.server.decoder.chunks(tokens):
-            time.sleep(wait)
+            due += wait
+            time.sleep(max(0.0, due - time.monotonic()))
             done, steps = done + step, steps + 1
             if request.get("stream"):
                 self.event(_output(done, tokens, prompt_tokens, steps, started, self.server.decoder))
@@ -300,14 +309,24 @@ class FakeServer(ThreadingHTTPServer):
     request_queue_size = 1024   # listen backlog: a benchmark round opens its connections at once (SGLang's: 2048)
 
     def __init__(self, args: argparse.Namespace, mode: str, startup_s: float, argv: list[str] = (),
-                 throughput: Throughput | None = None):
-        self.args, self.mode, self.argv = args, mode, list(argv)
+                 throughput: Throughput | None = None, hold_file: str = ""):
+        self.args, self.mode, self.argv, self.hold_file = args, mode, list(argv), hold_file
         self.ready_at = time.monotonic() + startup_s
+        self.ready_noted, self.ready_lock = False, threading.Lock()
         self.decoder = Decoder(throughput or Throughput(), bool(args.speculative_algorithm))
         super().__init__((args.host, args.port), Handler)
 
+    def note_ready(self) -> None:
+        """Say once, in the journal, when /health first answered 200, on CLOCK_MONOTONIC (systemd's
+        *TimestampMonotonic clock): when a test's clients could count on this server again."""
+        with self.ready_lock:
+            first, self.ready_noted = not self.ready_noted, True
+        if first:
+            print(f"fake sglang (stand-in) ready: first /health 200 at monotonic {time.monotonic():.6f}", flush=True)
+
     def healthy(self) -> bool:
-        return self.mode not in ("never-healthy",) and time.monotonic() >= self.ready_at
+        held = bool(self.hold_file) and os.path.lexists(self.hold_file)
+        return self.mode not in ("never-healthy",) and time.monotonic() >= self.ready_at and not held
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         print("fake_sglang_server: told to crash at start", file=sys.stderr, flush=True)
         return 1
     startup_s = float(knob("FAKE_SGLANG_STARTUP_S", "fake-sglang-startup-s", "0.5"))
-    server = FakeServer(args, mode, startup_s, argv, throughput)
+    hold_file = knob("FAKE_SGLANG_HOLD_FILE", "fake-sglang-hold-file", "")
+    server = FakeServer(args, mode, startup_s, argv, throughput, hold_file)
     print(f"fake sglang (stand-in) listening on {args.host}:{args.port}, pid {os.getpid()}, mode {mode}, "
           f"python {sys.executable}, simulated throughput {throughput}", flush=True)
     server.serve_forever()

@@ -31,8 +31,9 @@ as quiet (no integrity or progress messages). The install script:
   See log at LOG for details.` and exits 1 having installed nothing, unless `--override` is
   passed (which skips that check). The real installer's exit code is not documented (an older
   one was reported to exit 0: chainer/chainer-test#525); servestack decides from nvcc and the log;
-- takes as long as the host's sandbox knob /etc/servestack-sandbox/install-seconds says before it
-  copies the tree (the real one takes minutes; tests interrupt a run meanwhile);
+- waits before it copies the tree for as long as the host's sandbox knob file
+  /etc/servestack-sandbox/install-hold exists, having logged `[INFO]: STAND-IN: holding ...` (the
+  real one takes minutes; a test interrupts a run meanwhile, then removes the file to let it end);
 - behaves per build-time `mode`: "normal"; "repoint" (also points /usr/local/cuda at the install
   path, as the real installer may); "fail_midway" (copies part of the tree, logs an error,
   exits 1); "broken_nvcc" (exits 0 but the installed nvcc cannot run).
@@ -160,7 +161,7 @@ silent=n toolkit=n override=n extract=
 TMPLOG="$ROOT/tmp/cuda-installer.log"
 if [ "$(id -u)" = 0 ]; then LOG="$ROOT/var/log/cuda-installer.log"; else LOG="$TMPLOG"; fi
 GCC_KNOB="$ROOT/etc/servestack-sandbox/gcc-version"
-SLOW_KNOB="$ROOT/etc/servestack-sandbox/install-seconds"
+HOLD_KNOB="$ROOT/etc/servestack-sandbox/install-hold"
 
 # The real installer opens /tmp/cuda-installer.log first and crashes when it cannot (see the
 # module docstring): SIGSEGV, no core file.
@@ -221,7 +222,10 @@ log INFO "CUDA Toolkit @MAJOR_MINOR@"
 log INFO "Installing: CUDA Toolkit"
 dest="$ROOT$installpath"
 mkdir -p "$dest"
-if [ -f "$SLOW_KNOB" ]; then sleep "$(head -n 1 "$SLOW_KNOB")"; fi
+if [ -e "$HOLD_KNOB" ]; then
+    log INFO "STAND-IN: holding before the copy while ${HOLD_KNOB#$ROOT} exists"
+    while [ -e "$HOLD_KNOB" ]; do sleep 0.2; done
+fi
 if [ "$MODE" = fail_midway ]; then
     cp -a toolkit/targets toolkit/version.json "$dest/"
     log ERROR "Install of CUDA Toolkit @MAJOR_MINOR@ failed, quitting"
