@@ -30,10 +30,11 @@ hard-links files instead of downloading them again.
 
 from __future__ import annotations
 
+import json
 import os
 
 from pyinfra import host, logger
-from pyinfra.api import deploy, operation
+from pyinfra.api import FunctionCommand, deploy, operation
 
 from facts.batch import FactRequest
 from facts.venv import ActivePackages, MlEnvState
@@ -41,8 +42,10 @@ from operations.releases import (
     CHECK, NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
     release_plan, releases_to_prune, tool_command,
 )
+from operations import stack_hashes
 from operations.releases import rollback_target as choose_rollback_target
 from servestack import hostrun, reads
+from servestack.errors import ConfigError
 from servestack.hostrun import note, noop, refuse, refuse_now, utc_stamp, while_busy
 from servestack.settings import host_settings
 
@@ -185,15 +188,48 @@ def build_release(release: ReleasePlan):
     if record:
         host.log(f"Rebuilding release {release.id} (it was left {record.get('status')}: "
                  f"{record.get('error', 'no error recorded')})", logger.warning)
+    fixed_path = stack_hashes.hashes_path(settings.stack_locks_dir, release.inputs)
+    try:
+        fixed = stack_hashes.read_fixed(fixed_path)
+    except ConfigError as error:
+        yield from refuse(host, [str(error)])
+        return
     uv = settings.manifest.uv
     params = _params(settings, id=release.id, release_dir=release.dir, inputs=release.inputs,
                      files=release.files, steps=release.steps, bound=release.bound, expect=release.expect,
                      check_script=CHECK.read_text(), uv=uv_binary(settings), uv_version=uv["version"],
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
-                     python=state["python"]["executable"])
-    hostrun.plan(host, f"Build release {release.id} in {release.dir}")
+                     python=state["python"]["executable"], fixed=fixed and fixed["packages"], fixed_path=str(fixed_path))
+    hostrun.plan(host, f"Build release {release.id} in {release.dir}; " + (
+        f"its wheels must have the hashes fixed in {fixed_path}" if fixed else
+        f"its lock fixes the stack's wheel hashes in {fixed_path} (none are fixed yet)"))
     yield while_busy(host, settings.servestack_state_dir, f"venv build {release.id}",
                      tool_command(settings.venv_python, "build", params))
+    if fixed is None:
+        yield FunctionCommand(_fix_stack_hashes, (settings, release, fixed_path), {})
+
+
+def _fix_stack_hashes(state, host, settings, release: ReleasePlan, path) -> bool:
+    """After the first build of a stack (on the control machine): fix its hashes from the release's lock, or,
+    where another host of this run fixed them first, check the release has the same."""
+    ok, stdout, stderr = hostrun.run_remote(host, tool_command(settings.venv_python, "lock", {"release_dir": release.dir}))
+    if not ok or not stdout:
+        host.log_styled(f"cannot read the lock of release {release.id}: {' '.join(stderr)}", fg="red",
+                        log_func=logger.error)
+        return False
+    packages = json.loads(stdout[-1])
+    fixed = stack_hashes.read_fixed(path)
+    if fixed is None:
+        stack_hashes.write_fixed(path, stack_hashes.fixed_document(release.inputs, packages,
+                                                                   f"{host.name}, release {release.id}", utc_stamp()))
+        host.log(f"fixed the stack's wheel hashes in {path} ({len(packages)} packages): commit it, every later "
+                 "build of this stack must have them")
+        return True
+    problems = stack_hashes.differences(fixed, packages)
+    for problem in problems:
+        host.log_styled(f"release {release.id} differs from the hashes {path} fixed ({fixed['fixed']}): {problem}",
+                        fg="red", log_func=logger.error)
+    return not problems
 
 
 @operation()

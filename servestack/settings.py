@@ -430,6 +430,9 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
             "allow targeting the machine pyinfra runs on (@local, localhost)"),
         Key("servestack_state_dir", abs_path, _literal("/var/lib/servestack"),
             "servestack's state on the host: lock, backups, records"),
+        Key("stack_locks_dir", abs_path, _literal(str(DEFAULT_MANIFEST.parent / "locks")),
+            "folder (on the control machine) where each stack's wheel hashes are fixed by its first build "
+            "(operations/stack_hashes.py); commit it"),
         Key("servestack_user_keys", user_key_names, _literal(()),
             "host-data keys of your own that look like a mistyped servestack key (e.g. cpu_count, "
             "one edit from gpu_count): never refused as one"),

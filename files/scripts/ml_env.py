@@ -7,7 +7,9 @@ records are written safely:
 
     packages  print the active environment's packages (the ActivePackages fact; changes nothing)
     backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
-    build     build one release beside the active one: venv, lock, ordered install, checks
+    build     build one release beside the active one: venv, lock, ordered install, checks; where the
+              stack's hashes are fixed (params "fixed"), a resolution that differs from them is refused
+    lock      print a built release's lock as {name: {"version", "hashes"}} (changes nothing)
     activate  adopt a hand-made venv if needed, then point venv_path at a release (rename(2))
     record    add one switch made elsewhere to the activation history (the service's health gate
               rolling back: files/scripts/sglang-health-gate.sh)
@@ -235,6 +237,31 @@ def parse_lock(text):
     return entries
 
 
+def lock_packages(entries):
+    """{name: {"version", "hashes"}} of lock entries: what fixes a stack's hashes (operations/releases.py)."""
+    return {entry["name"]: {"version": entry["version"], "hashes": sorted(entry["hashes"])} for entry in entries}
+
+
+def fixed_hash_problems(entries, fixed):
+    """How a resolution differs from the stack's fixed hashes: another package or version, or a file the fixed
+    lock does not have (a mirror may serve fewer of a version's files, never other bytes)."""
+    problems, found = [], lock_packages(entries)
+    for name, entry in sorted(found.items()):
+        known = fixed.get(name)
+        if known is None:
+            problems.append("%s %s is not in it" % (name, entry["version"] or "(a direct URL)"))
+        elif known["version"] != entry["version"]:
+            problems.append("%s is %s, it has %s" % (name, entry["version"], known["version"]))
+        else:
+            other = sorted(set(entry["hashes"]) - set(known["hashes"]))
+            if other:
+                problems.append("%s %s: the index lists a file it does not have (%s)"
+                                % (name, entry["version"] or "(a direct URL)", ", ".join(other)))
+    problems += ["%s %s is missing from the resolution" % (name, fixed[name]["version"])
+                 for name in sorted(set(fixed) - set(found))]
+    return problems
+
+
 def assign_steps(entries, steps):
     """Give each lock entry the install step it belongs to.
 
@@ -387,6 +414,11 @@ def build(params, log):
         what="resolving the lock (uv pip compile)", retry_crash=True)
     with open(os.path.join(directory, "lock.txt")) as handle:
         entries = parse_lock(handle.read())
+    if params.get("fixed") is not None:
+        problems = fixed_hash_problems(entries, params["fixed"])
+        if problems:
+            raise Failure("the resolution differs from the stack's hashes fixed in %s (a mirror cannot change what "
+                          "is installed): %s" % (params["fixed_path"], "; ".join(problems)))
     for number, (step, index, text) in enumerate(step_files(entries, params["steps"]), 1):
         path = os.path.join(directory, "step-%d-%d.txt" % (step, number))
         with open(path, "w") as handle:
@@ -565,7 +597,12 @@ def command_prune(params):
     return {"removed": removed}
 
 
-COMMANDS = {"packages": command_packages, "backup": command_backup, "build": command_build,
+def command_lock(params):
+    with open(os.path.join(params["release_dir"], "lock.txt")) as handle:
+        return lock_packages(parse_lock(handle.read()))
+
+
+COMMANDS = {"packages": command_packages, "backup": command_backup, "build": command_build, "lock": command_lock,
             "activate": command_activate, "prune": command_prune, "backups": command_backups,
             "record": command_record}
 

@@ -437,7 +437,7 @@ class Sandbox:
             time.sleep(0.1)
 
     def _host_data(self, host: Host, user: str) -> dict[str, Any]:
-        """pyinfra SSH connection data for one host."""
+        """pyinfra SSH connection data for one host, and where its deploys fix the stack's hashes."""
         data: dict[str, Any] = {
             "ssh_hostname": host.address,
             "ssh_port": host.ssh_port,
@@ -448,6 +448,8 @@ class Sandbox:
             "ssh_allow_agent": False,
             "ssh_look_for_keys": False,
             "sandbox_controller_address": host.controller_address,
+            # the stack hashes its deploys fix are the sandbox's (its stand-in wheels), gone with it
+            "stack_locks_dir": str(self.state_dir / "locks"),
         }
         if user != "root":
             data["_sudo"] = True

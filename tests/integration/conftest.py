@@ -46,6 +46,19 @@ def sandbox_unavailable() -> str | None:
     return None
 
 
+REPOSITORY_LOCKS = Path(__file__).resolve().parents[2] / "files" / "locks"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def repository_stack_hashes_untouched() -> Iterator[None]:
+    """Sandbox deploys fix their stand-in wheels' hashes in the sandbox's own folder (servestack/sandbox/hosts.py),
+    never in the repository's `files/locks`, which holds real fleets' hashes."""
+    before = sorted(REPOSITORY_LOCKS.glob("*")) if REPOSITORY_LOCKS.exists() else []
+    yield
+    after = sorted(REPOSITORY_LOCKS.glob("*")) if REPOSITORY_LOCKS.exists() else []
+    assert after == before, f"the integration tests wrote {sorted(set(after) - set(before))} into the repository"
+
+
 @pytest.fixture(scope="session")
 def sandbox_rootfs() -> Path:
     """The pristine rootfs, built on first use and cached across sessions."""

@@ -48,3 +48,15 @@ def dry_run(lab, target: str = "deploy.py", *args: str) -> PyinfraRun:
     run = run_pyinfra(lab, "--dry", "--diff", *args, target=target)
     assert run.returncode == 0, run.output[-6000:]
     return run
+
+
+def small_benchmark_manifest(lab, max_new_tokens: int, runs: int) -> Path:
+    """The lab's manifest with a short speculation benchmark (what a deploy under "auto" measures), no warm-up."""
+    text = (lab.state_dir / "stack.toml").read_text()
+    for old, new in (("\nmax_new_tokens = 256\n", f"\nmax_new_tokens = {max_new_tokens}\n"),
+                     ("\nruns = 10\n", f"\nruns = {runs}\n"), ("\nwarmup = 1\n", "\nwarmup = 0\n")):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = lab.state_dir / "stack-small-benchmark.toml"
+    path.write_text(text)
+    return path

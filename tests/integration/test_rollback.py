@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from pyinfra_run import apply, dry_run, run_pyinfra
+from pyinfra_run import apply, dry_run, run_pyinfra, small_benchmark_manifest
 from venv_lab import MANIFEST, RELEASES, ROLLBACK, STACK, UPGRADE, VENV, start_lab
 
 pytestmark = pytest.mark.integration
@@ -110,7 +110,7 @@ class Fleet:
     def __init__(self, lab):
         self.lab = lab
         self.host = lab.hosts[0]
-        self.manifest = small_benchmark_manifest(lab)
+        self.manifest = small_benchmark_manifest(lab, max_new_tokens=16, runs=3)
         self.configure()
 
     def configure(self, **extra) -> None:
@@ -147,18 +147,6 @@ class Fleet:
     def server_args(self) -> dict:
         """What the running server was started with (the stand-in's /server_info, asked on the host)."""
         return json.loads(self.sh(f"curl -fsS http://127.0.0.1:{PORT}/server_info"))["server_args"]
-
-
-def small_benchmark_manifest(lab):
-    """The lab's manifest with a benchmark of 3 runs of 16 tokens (what the deploy under "auto" measures)."""
-    text = (lab.state_dir / "stack.toml").read_text()
-    for old, new in (("\nmax_new_tokens = 256\n", "\nmax_new_tokens = 16\n"), ("\nruns = 10\n", "\nruns = 3\n"),
-                     ("\nwarmup = 1\n", "\nwarmup = 0\n")):
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    path = lab.state_dir / "stack-small-benchmark.toml"
-    path.write_text(text)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,18 @@
 """The speculation policy and `servestack bench` on sandbox hosts (issue 17), through the real deploy.
 
-Two hosts under service_speculation = "auto": the stand-in server's speculation wins on h1 (below 3
-concurrent requests: a crossover at 3) and loses on h2. The first converge benchmarks both and keeps
+Two hosts under service_speculation = "auto": the stand-in server's speculation wins on h1 (below 2
+concurrent requests: a crossover at 2) and loses on h2. The first converge benchmarks both and keeps
 speculation on h1 only; a second converge benchmarks nothing and changes nothing; `servestack bench`
 re-measures on demand (with higher concurrencies: h1's crossover) and writes its JSON and chart; a
 benchmark whose baseline never becomes healthy leaves the unit that served before it serving.
 The benchmark's request is made small (a copy of the lab's manifest): 5 runs of 24 tokens.
+
+The numbers are the stand-in's simulation, measured by the real client over real sleeps: each request
+takes its simulated time plus the machine's delay (one wake-up, not one per token: the stand-in's
+docstring). The assertions keep far from where that delay could matter: the simulated gains at
+concurrency 1 are about +18% (h1) and -17% (h2), and a delay both configurations get only pulls a gain
+toward 0 (it takes some 0.2 s per request to reach +-10%); at concurrency 4, twice h1's crossover,
+speculation is simulated some 25% slower (with a crossover at 3, just below the level measured: 8%).
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from pyinfra_run import PyinfraRun, apply, dry_run, run_pyinfra
+from pyinfra_run import PyinfraRun, apply, dry_run, run_pyinfra, small_benchmark_manifest
 from servestack.rehearse import server_info
 from servestack.sandbox.lab import STANDIN_SERVER_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = "/var/lib/servestack/speculation.json"
 UNIT = "/etc/systemd/system/sglang.service"
-THROUGHPUT = {"h1": "crossover=3", "h2": "lose"}
+CROSSOVER = 2   # h1's: the stand-in's speculation is faster below 2 requests in flight, slower above
+THROUGHPUT = {"h1": f"crossover={CROSSOVER}", "h2": "lose"}
+BENCH_LEVELS = (1, 4, 8)
 pytestmark = pytest.mark.integration
 
 
@@ -45,17 +54,6 @@ class Fleet:
         self.lab.sandbox.write_inventory(data)
 
 
-def small_manifest(lab) -> Path:
-    text = (lab.state_dir / "stack.toml").read_text()
-    for old, new in (("\nmax_new_tokens = 256\n", "\nmax_new_tokens = 24\n"), ("\nruns = 10\n", "\nruns = 5\n"),
-                     ("\nwarmup = 1\n", "\nwarmup = 0\n")):
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    path = lab.state_dir / "stack-small-benchmark.toml"
-    path.write_text(text)
-    return path
-
-
 def sh(lab, host, command: str) -> str:
     return lab.exec(host, command, check=True).stdout
 
@@ -73,7 +71,7 @@ def starts(lab, host) -> int:
 @pytest.fixture(scope="module")
 def fleet(lab):
     the_lab = lab(2)
-    made = Fleet(the_lab, small_manifest(the_lab), None)
+    made = Fleet(the_lab, small_benchmark_manifest(the_lab, max_new_tokens=24, runs=5), None)
     made.configure()
     made.first = apply(the_lab)
     return made
@@ -92,7 +90,7 @@ def test_auto_keeps_speculation_where_it_wins_and_serves_the_baseline_where_it_l
         assert len(found["configurations"]["speculation"]["runs"]) == 5
         assert found["configurations"]["speculation"]["accept_length"] > 1
         assert found["configurations"]["baseline"]["accept_length"] is None
-    assert wins["gain"] > 0.1 and loses["gain"] < -0.1
+    assert wins["gain"] > 0.1 and loses["gain"] < -0.1, (wins["why"], loses["why"])   # simulated: +18%, -17%
     assert "speculation kept: " in log and "speculation off: " in log and "tok/s with speculation vs" in log
     assert server_info(lab, h1)["server_args"]["speculative_algorithm"] == "EAGLE3"
     assert server_info(lab, h2)["server_args"]["speculative_algorithm"] is None
@@ -126,17 +124,18 @@ def test_servestack_bench_measures_on_demand_and_writes_json_and_a_chart(fleet, 
     lab = fleet.lab
     output, chart = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = [sys.executable, "-m", "servestack.cli", "bench", str(lab.inventory_path), "--runs", "5",
-            "--concurrency", "1,4,8", "--json", str(output), "--plot", str(chart)]
+            "--concurrency", ",".join(map(str, BENCH_LEVELS)), "--json", str(output), "--plot", str(chart)]
+    first_beyond = min(level for level in BENCH_LEVELS if level >= CROSSOVER)   # 4
     run = subprocess.run(lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=900)
     print(f"\n--- servestack bench (table) ---\n{run.stdout}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "SIMULATED" in run.stdout and "gain over baseline" in run.stdout and "accept length" in run.stdout
-    assert "h1: speculation stops paying at concurrency 4" in run.stdout
+    assert f"h1: speculation stops paying at concurrency {first_beyond}" in run.stdout
     document = json.loads(output.read_text())
     assert document["simulated"] is True and set(document["hosts"]) == {"h1", "h2"}
     h1, h2 = document["hosts"]["h1"], document["hosts"]["h2"]
-    assert h1["measured"] and h2["measured"] and h1["crossover"] == 4 and h2["crossover"] == 1
-    assert [level["concurrency"] for level in h1["configurations"]["speculation"]["concurrency"]] == [1, 4, 8]
+    assert h1["measured"] and h2["measured"] and h1["crossover"] == first_beyond and h2["crossover"] == 1
+    assert [level["concurrency"] for level in h1["configurations"]["speculation"]["concurrency"]] == [*BENCH_LEVELS]
     assert (h1["decision"], h2["decision"]) == ("speculation", "baseline")
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for host in lab.hosts:

@@ -7,6 +7,7 @@ The build tests resolve and install the stand-in stack with the real uv from a l
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import re
@@ -471,6 +472,32 @@ def test_build_then_activate_turns_a_cu128_env_into_cu130(host, index, tmp_path)
                           "print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version())"],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["2.9.1+cu130", "13.0", "91600"]
+
+
+@needs_uv
+def test_a_mirror_serving_other_bytes_under_the_same_name_is_refused_by_the_stacks_fixed_hashes(host, index,
+                                                                                               tmp_path):
+    first, params = build_params(host, index, tmp_path)
+    assert run_tool("build", params)[0] == 0
+    code, fixed, err = run_tool("lock", {"release_dir": first.dir})
+    assert code == 0 and fixed["torch"]["version"] == "2.9.1+cu130", err
+    root = tmp_path / "mirror"
+    venv_index.build_index(root, other_torch_bytes=True)
+    mirrored = next((root / "download.pytorch.org").rglob("torch-2.9.1+cu130-*.whl"))
+    other = "sha256:" + hashlib.sha256(mirrored.read_bytes()).hexdigest()
+    server, base = venv_index.serve(root)
+    try:
+        second, params = build_params(host, venv_index.StackIndex(root, base), tmp_path)
+        refused = run_tool("build", {**params, "fixed": fixed, "fixed_path": "/srv/locks/sglang-0.5.9-py3.11.json"})
+        installed = run_tool("build", params)   # what the mirror gets without the fixed hashes: its own bytes
+    finally:
+        server.shutdown()
+    assert refused[0] == 1 and (
+        "the resolution differs from the stack's hashes fixed in /srv/locks/sglang-0.5.9-py3.11.json (a mirror cannot "
+        f"change what is installed): torch 2.9.1+cu130: the index lists a file it does not have ({other})") in refused[2]
+    assert installed[0] == 0, installed[2]
+    site = next(Path(second.dir, "venv", "lib").glob("python3*/site-packages"))
+    assert (site / "torch" / "_served_by_a_mirror.py").exists()
 
 
 @needs_uv

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 from servestack.manifest import load_manifest
 from servestack.sandbox.standins.index import write_simple_index
 from servestack.sandbox.standins.stack import reference_stack
-from servestack.sandbox.standins.wheels import PURE_TAG, WheelSpec, broken_wheel, build_wheel, standin_wheel
+from servestack.sandbox.standins.wheels import (PURE_TAG, WheelSpec, broken_wheel, build_wheel, other_bytes_wheel,
+                                                standin_wheel)
 from tests.unit.standin_closure import build_with_requirements
 
 SGLANG_PINS = ("torch==2.9.1", "torchaudio==2.9.1", "torchvision", "sgl-kernel==0.3.21",
@@ -52,8 +53,10 @@ class StackIndex:
         return data
 
 
-def build_index(root: Path, torch_label: str = "cu130", broken_torch: str | None = None) -> None:
-    """Lay out pypi, torch, flashinfer indexes and the direct sgl-kernel wheel under `root`."""
+def build_index(root: Path, torch_label: str = "cu130", broken_torch: str | None = None,
+                other_torch_bytes: bool = False) -> None:
+    """Lay out pypi, torch, flashinfer indexes and the direct sgl-kernel wheel under `root` (a torch of other
+    bytes under the same file name with `other_torch_bytes`: a mirror's)."""
     manifest = load_manifest()
     stack = reference_stack()
     work = root / ".work"
@@ -77,6 +80,9 @@ def build_index(root: Path, torch_label: str = "cu130", broken_torch: str | None
         pypi += build_with_requirements(spec.name, spec.version, work / "requirements", built)[1:]
     if broken_torch:
         torch_index = [broken_wheel(w, work / "broken", broken_torch) if w.name.startswith("torch-") else w
+                       for w in torch_index]
+    if other_torch_bytes:
+        torch_index = [other_bytes_wheel(w, work / "other") if w.name.startswith("torch-") else w
                        for w in torch_index]
     fi = [build_wheel(standin_wheel(p.name, p.version), work / "fi") for p in stack.packages
           if p.index == "flashinfer"]

@@ -333,6 +333,19 @@ def broken_wheel(wheel: Path, dest_dir: Path, kind: str) -> Path:
     return write_zip(out, entries)
 
 
+def other_bytes_wheel(wheel: Path, dest_dir: Path) -> Path:
+    """A valid copy of `wheel` under the same file name in `dest_dir` with other bytes (one file more, in
+    its RECORD too): what a mirror that does not serve the original would serve."""
+    with zipfile.ZipFile(wheel) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    record = next(name for name in entries if name.endswith(".dist-info/RECORD"))
+    package = next(name.split("/")[0] for name in entries if not name.split("/")[0].endswith(".dist-info"))
+    entries[f"{package}/_served_by_a_mirror.py"] = b"# not the bytes the stack's index serves\n"
+    entries[record] = record_text({name: data for name, data in entries.items() if name != record}, record).encode()
+    Path(dest_dir).mkdir(parents=True, exist_ok=True)
+    return write_zip(Path(dest_dir) / Path(wheel).name, entries)
+
+
 # Real triton on a host without a GPU driver: asking for the active driver raises this.
 _TRITON_RUNTIME = '''"""@NOTE@: no GPU driver, as on a host without one."""
 from triton import _standin
