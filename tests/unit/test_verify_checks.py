@@ -581,12 +581,24 @@ def test_the_active_release_is_named_through_a_linked_releases_dir(h200):
 # --- the service ------------------------------------------------------------------------------
 
 
+def documented_environment(settings, release: str = "r-0123456789ab") -> dict:
+    """A converged service's environment, written out as README ("service": CUDA 13.0 pinned in its environment)
+    and docs/design.md (the JIT caches of one toolkit + release under /var/cache/servestack/flashinfer/) describe
+    the unit: the manifest's toolkit first, the release's python, the service user's home, then host data."""
+    cuda, venv = settings.cuda_install_path, f"{settings.venv_releases_dir}/{release}/venv"
+    cache = f"/var/cache/servestack/flashinfer/13.0.1-{release}"
+    return {"CUDA_HOME": cuda, "CUDA_PATH": cuda,
+            "PATH": f"{cuda}/bin:{venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "LD_LIBRARY_PATH": f"{cuda}/lib64", "FLASHINFER_WORKSPACE_BASE": cache, "TRITON_CACHE_DIR": f"{cache}/triton",
+            "SGLANG_DG_CACHE_DIR": f"{cache}/deep_gemm", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
+            "HOME": "/var/lib/sglang", "SERVESTACK_RELEASE": release, "SERVESTACK_PATCHSET": "digest",
+            **settings.service_env}
+
+
 def service_read(settings, env: dict | None = None, user: str = "sglang", stat: str = "600 root root",
                   names: int = 0, values: int = 0, active: str = "active", venv: str | None = None) -> Readings:
     """The service as the checks read it; `venv`: where venv_path resolves (default: as linked)."""
-    from operations.service import release, service_environment
-
-    pinned = dict(service_environment(settings, release(settings, "r-0123456789ab"), "digest"))
+    pinned = documented_environment(settings)
     linked = f"{settings.venv_releases_dir}/r-0123456789ab/venv"
     return Readings("h200", host=HostReport(
         systemd=True, venv=venv or linked, venv_link=linked,
