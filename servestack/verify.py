@@ -25,6 +25,8 @@ wide enough that no table cell or reason is cut or wrapped.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shlex
 import tempfile
@@ -76,10 +78,20 @@ class Backend:
 
 
 def _control_dir() -> str:
-    """A private directory for OpenSSH control sockets (one master connection per host)."""
-    path = Path(tempfile.gettempdir()) / f"servestack-ssh-{os.getuid()}"
+    """A private directory for OpenSSH control sockets (one master connection per host), one per network
+    namespace: the same address in another namespace is another machine (concurrent sandboxes)."""
+    path = Path(tempfile.gettempdir()) / f"servestack-ssh-{os.getuid()}-{os.stat('/proc/self/ns/net').st_ino}"
     path.mkdir(mode=0o700, exist_ok=True)
     return str(path)
+
+
+def _control_path(destination: str, options: list[str]) -> str:
+    """The master connection's socket for `destination` reached with `options` (key, known hosts, config...).
+    Not OpenSSH's %C, which hashes only local host, address, port, user and jump host: two fleets with the same
+    private addresses, reached through other keys, known hosts or configs, would share a master and one
+    would be read for the other."""
+    digest = hashlib.sha256(json.dumps([destination, options]).encode()).hexdigest()[:24]
+    return os.path.join(_control_dir(), digest)
 
 
 def _ssh_options(name: str, data: dict) -> list[str]:
@@ -122,17 +134,18 @@ def ssh_backend(name: str, data: dict) -> Backend:
         hostname = f"[{hostname}]"
     user = f"{data['ssh_user']}@" if data.get("ssh_user") else ""
     port = f":{int(data['ssh_port'])}" if data.get("ssh_port") else ""
-    # One master connection per host for all its reads. Given in ssh_extra_args, which testinfra
-    # escapes, because its own `controlpath` option breaks on the % of %C.
-    multiplex = ["ControlMaster=auto", f"ControlPersist={SSH_CONTROL_PERSIST_S}s",
-                 f"ControlPath={os.path.join(_control_dir(), '%C')}"]
-    extra = " ".join(f"-o {shlex.quote(option)}" for option in _ssh_options(name, data) + multiplex)
-    options: list[tuple[str, Any]] = [("ssh_extra_args", extra)]
+    # One master connection per host for all its reads. Given in ssh_extra_args, which testinfra escapes.
+    destination = f"ssh://{user}{hostname}{port}"
+    options: list[tuple[str, Any]] = []
     if data.get("ssh_key"):
         options.append(("ssh_identity_file", os.path.expanduser(str(data["ssh_key"]))))
     if data.get("ssh_config_file"):
         options.append(("ssh_config", os.path.expanduser(str(data["ssh_config_file"]))))
-    return Backend(f"ssh://{user}{hostname}{port}", tuple(options + _sudo_options(data)))
+    ssh_options = _ssh_options(name, data)
+    multiplex = ["ControlMaster=auto", f"ControlPersist={SSH_CONTROL_PERSIST_S}s",
+                 f"ControlPath={_control_path(destination, ssh_options + [value for _, value in options])}"]
+    extra = " ".join(f"-o {shlex.quote(option)}" for option in ssh_options + multiplex)
+    return Backend(destination, tuple([("ssh_extra_args", extra)] + options + _sudo_options(data)))
 
 
 def backend_for(host) -> Backend:

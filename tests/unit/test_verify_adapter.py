@@ -1,6 +1,7 @@
 """The verification suite's adapter: a pyinfra inventory (group data, --limit, connectors) becomes
 testinfra backends reaching each host the way pyinfra does, with that host's settings."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -81,6 +82,27 @@ def test_the_ssh_command_testinfra_builds_carries_key_port_known_hosts_and_sudo(
     assert "-i '/keys/fleet key'" in line
     assert "ControlMaster=auto" in line and "ControlPath=" in line
     assert testinfra_backend.get_command("id -u").startswith("sudo /bin/sh -c")
+
+
+def control_path(backend) -> str:
+    extra = dict(backend.options)["ssh_extra_args"]
+    return next(part.split("=", 1)[1] for part in extra.split() if part.startswith("ControlPath="))
+
+
+def test_hosts_of_two_fleets_at_the_same_address_never_share_a_master_connection():
+    """OpenSSH's %C hashes only the local host, address, port, user and jump host: two fleets (or two
+    sandboxes) with the same private addresses would share one master and read each other's hosts."""
+    from servestack.verify import ssh_backend
+
+    fleet = {"ssh_hostname": "10.0.0.2", "ssh_user": "root", "ssh_key": "/keys/a", "ssh_known_hosts_file": "/kh/a"}
+    other_keys = {**fleet, "ssh_key": "/keys/b", "ssh_known_hosts_file": "/kh/b"}
+    assert control_path(ssh_backend("h1", fleet)) == control_path(ssh_backend("h1", dict(fleet)))
+    assert control_path(ssh_backend("h1", fleet)) != control_path(ssh_backend("h1", other_keys))
+    assert control_path(ssh_backend("h1", fleet)) != control_path(ssh_backend("h1", {**fleet, "ssh_port": 2222}))
+    # and per network namespace: the same address in another namespace is another machine
+    namespace = os.stat("/proc/self/ns/net").st_ino
+    assert os.path.basename(os.path.dirname(control_path(ssh_backend("h1", fleet)))) == (
+        f"servestack-ssh-{os.getuid()}-{namespace}")
 
 
 def test_local_and_chroot_hosts_map_to_their_testinfra_backends(inventory):
