@@ -233,3 +233,23 @@ def test_the_deploys_last_step_fails_a_broken_host(converged, tmp_path):
     assert run.returncode != 0
     assert "kept_toolkits: on " + breaks["cuda_128"] in run.output
     assert "/usr/local/cuda-12.8 changed since it was recorded: file list or sizes changed" in run.output
+
+
+# --- two sandboxes at once -------------------------------------------------------------------------
+
+READ_MARKER = ("import sys; from servestack.verify import backend_for, load_inventory; "
+               "[host] = load_inventory(sys.argv[1]); "
+               "print(backend_for(host).connect().run('cat /etc/servestack-marker').stdout.strip())")
+
+
+def test_two_sandboxes_with_the_same_addresses_are_read_each_its_own(lab):
+    """The verification suite's master SSH connections outlive a run (ControlPersist). Two sandboxes give
+    their hosts the same addresses, each in its own network namespace; each must be read as itself."""
+    first, second = lab(1), lab(1)
+    assert first.hosts[0].address == second.hosts[0].address   # what made them collide
+    for the_lab, marker in ((first, "first"), (second, "second")):
+        the_lab.exec(the_lab.hosts[0], f"echo {marker} > /etc/servestack-marker", check=True)
+    for the_lab, marker in ((first, "first"), (second, "second"), (first, "first")):
+        argv = [sys.executable, "-c", READ_MARKER, str(the_lab.inventory_path)]
+        read = subprocess.run(the_lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert read.stdout.strip() == marker, read.stdout + read.stderr
