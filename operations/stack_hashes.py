@@ -60,21 +60,6 @@ def fixed_document(inputs: dict, packages: dict, by: str, at: str) -> dict:
             "packages": packages}
 
 
-def differences(fixed: dict, packages: dict) -> list[str]:
-    """What `packages` (a built release's lock) has that the fixed document does not, in words."""
-    known = fixed["packages"]
-    found = [f"{name} {entry['version']}" for name, entry in sorted(packages.items())
-             if known.get(name, {}).get("version") != entry["version"]
-             or set(entry["hashes"]) - set(known.get(name, {}).get("hashes", []))]
-    missing = sorted(set(known) - set(packages))
-    lines = []
-    if found:
-        lines.append(f"other files or versions: {', '.join(found)}")
-    if missing:
-        lines.append(f"missing: {', '.join(missing)}")
-    return lines
-
-
 def write_fixed(path: Path, document: dict) -> None:
     """Write the document atomically (a temporary file beside it, then rename), creating the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -212,20 +212,21 @@ def build_release(release: ReleasePlan):
 def _fix_stack_hashes(state, host, settings, release: ReleasePlan, path) -> bool:
     """After the first build of a stack (on the control machine): fix its hashes from the release's lock, or,
     where another host of this run fixed them first, check the release has the same."""
-    ok, stdout, stderr = hostrun.run_remote(host, tool_command(settings.venv_python, "lock", {"release_dir": release.dir}))
+    fixed = stack_hashes.read_fixed(path)   # None, or fixed meanwhile by another host of this run
+    params = {"release_dir": release.dir, "fixed": fixed and fixed["packages"]}
+    ok, stdout, stderr = hostrun.run_remote(host, tool_command(settings.venv_python, "lock", params))
     if not ok or not stdout:
         host.log_styled(f"cannot read the lock of release {release.id}: {' '.join(stderr)}", fg="red",
                         log_func=logger.error)
         return False
-    packages = json.loads(stdout[-1])
-    fixed = stack_hashes.read_fixed(path)
+    lock = json.loads(stdout[-1])
     if fixed is None:
-        stack_hashes.write_fixed(path, stack_hashes.fixed_document(release.inputs, packages,
+        stack_hashes.write_fixed(path, stack_hashes.fixed_document(release.inputs, lock["packages"],
                                                                    f"{host.name}, release {release.id}", utc_stamp()))
-        host.log(f"fixed the stack's wheel hashes in {path} ({len(packages)} packages): commit it, every later "
-                 "build of this stack must have them")
+        host.log(f"fixed the stack's wheel hashes in {path} ({len(lock['packages'])} packages): commit it, every "
+                 "later build of this stack must have them")
         return True
-    problems = stack_hashes.differences(fixed, packages)
+    problems = lock["problems"]
     for problem in problems:
         host.log_styled(f"release {release.id} differs from the hashes {path} fixed ({fixed['fixed']}): {problem}",
                         fg="red", log_func=logger.error)

@@ -9,7 +9,8 @@ records are written safely:
     backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
     build     build one release beside the active one: venv, lock, ordered install, checks; where the
               stack's hashes are fixed (params "fixed"), a resolution that differs from them is refused
-    lock      print a built release's lock as {name: {"version", "hashes"}} (changes nothing)
+    lock      print a built release's lock as {name: {"version", "hashes"}} and how it differs from the
+              fixed hashes given (changes nothing)
     activate  adopt a hand-made venv if needed, then point venv_path at a release (rename(2))
     record    add one switch made elsewhere to the activation history (the service's health gate
               rolling back: files/scripts/sglang-health-gate.sh)
@@ -598,8 +599,11 @@ def command_prune(params):
 
 
 def command_lock(params):
+    """A built release's lock as {name: {"version", "hashes"}}, and how it differs from `fixed` (when given)."""
     with open(os.path.join(params["release_dir"], "lock.txt")) as handle:
-        return lock_packages(parse_lock(handle.read()))
+        entries = parse_lock(handle.read())
+    fixed = params.get("fixed")
+    return {"packages": lock_packages(entries), "problems": fixed_hash_problems(entries, fixed) if fixed else []}
 
 
 COMMANDS = {"packages": command_packages, "backup": command_backup, "build": command_build, "lock": command_lock,
