@@ -3,8 +3,9 @@
 # installs what is missing (Debian packages, uv, the locked .venv), then runs a command.
 #
 #   ./servestack.sh rehearse          # boot sandbox hosts, dry-run, converge twice, verify
+#   ./servestack.sh sandbox ACTION    # the sandbox hosts: up --hosts 3, run, exec, down, status
 #   ./servestack.sh test [PYTEST ARGS] # the test suite (unit + integration on sandbox hosts)
-#   ./servestack.sh <any servestack subcommand>   # e.g. sandbox up --hosts 3, doctor inventory.py
+#   ./servestack.sh <any servestack subcommand>   # e.g. doctor inventory.py
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here"
@@ -73,5 +74,9 @@ case "${1:-}" in
           problem=$(test_python_problem)
           if [ -n "$problem" ]; then echo "$problem" >&2; exit 2; fi
           PATH="$here/.tools/bin:$PATH" exec .venv/bin/python -m pytest "$@" ;;
+    # the test harness runs from this checkout: it is not in the installed package
+    rehearse) exec .venv/bin/python -m sandbox "$@" ;;
+    sandbox) shift
+             exec .venv/bin/python -m sandbox "$@" ;;
     *) exec .venv/bin/servestack "$@" ;;
 esac

@@ -41,8 +41,8 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from servestack.sandbox import cgroups  # noqa: E402
-from servestack.sandbox.lab import Lab  # noqa: E402
+from sandbox import cgroups  # noqa: E402
+from sandbox.lab import Lab  # noqa: E402
 
 COUNTER = ROOT / "bench" / "counting_pyinfra.py"
 RESULTS = ROOT / "bench" / "results"

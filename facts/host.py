@@ -105,15 +105,6 @@ class DiskSpace(FactBase):
 
 # The run lock (files/scripts/lock.sh)
 
-def lock_path(state_dir: str) -> str:
-    return f"{state_dir.rstrip('/')}/lock"
-
-
-def busy_path(state_dir: str) -> str:
-    """Held (flock) by a run's long remote commands while they run."""
-    return lock_path(state_dir) + ".busy"
-
-
 def lock_read_command(state_dir: str) -> str:
     return script_command("lock.sh", "read", state_dir)
 

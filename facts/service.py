@@ -13,6 +13,7 @@ import shlex
 from pyinfra.api import FactBase
 from pyinfra.facts.server import Users
 
+from servestack.paths import PATCH_RECORDS
 
 # Properties read from `systemctl show`; the restart decision, the verification checks (the unit's
 # files: fragment and drop-ins) and the tests use them.
@@ -47,8 +48,6 @@ class PatchsetDigest(FactBase):
     def process(self, output):
         return combine_digests(output)
 
-
-PATCH_RECORDS = ("patches.json", "venv/servestack-patches.json")
 
 
 def combine_digests(lines: list[str]) -> str | None:

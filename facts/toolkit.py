@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from pyinfra.api import FactBase
 
+from servestack.paths import kept_paths, runfile_candidates
 from servestack.scripts import script_command
 
 _NVCC = re.compile(r"release (\d+\.\d+), V(\d+(?:\.\d+)+)")
@@ -127,14 +128,6 @@ class ToolkitState:
     files: dict = field(default_factory=dict)         # path -> FileStat | None
 
 
-
-
-def record_path(state_dir: str) -> str:
-    return f"{state_dir.rstrip('/')}/toolkits.json"
-
-
-def marker_path(state_dir: str) -> str:
-    return f"{state_dir.rstrip('/')}/toolkit-install.json"
 
 
 def parse_tree(path: str, lines: list[str]) -> Tree:
@@ -259,6 +252,17 @@ class CudaToolkits(FactBase):
 
     def process(self, output):
         return parse_toolkits(self.install_path, self.link_path, output)
+
+
+def toolkit_fact_arguments(settings) -> dict:
+    """`CudaToolkits`' arguments for a host: what the toolkit step, preflight and the checks read."""
+    return {
+        "install_path": settings.cuda_install_path,
+        "keep_paths": kept_paths(settings),
+        "link_path": settings.manifest.cuda["link_path"],
+        "state_dir": settings.servestack_state_dir,
+        "files": runfile_candidates(settings),
+    }
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import re
 from pyinfra.api import FactBase
 
 from facts.framing import Section, split
-from operations.releases import RELEASE_ID, guarded_tool_command
+from servestack.releases import RELEASE_ID, guarded_tool_command
 from servestack.scripts import script_command
 
 HISTORY_KEY = "activations"

@@ -24,9 +24,11 @@ from pyinfra.api import FactBase
 
 from facts.framing import Section, framed, split
 from facts.gpu import SMI_TIMEOUT_S
-from facts.patches import PATCH_ROOT, remote_command
-from facts.service import PATCH_RECORDS, UNIT_PROPERTIES
+from facts.patches import remote_command
+from facts.service import UNIT_PROPERTIES
 from servestack.manifest import PROJECT_ROOT
+from servestack.patchsets import PATCH_ROOT
+from servestack.paths import PATCH_RECORDS
 from servestack.scripts import script_command, script_text
 
 # What starts the report line of the python probes (files/scripts/verify-python.py, verify-http.py).

@@ -13,23 +13,19 @@ from pyinfra.api.output import format_text
 from pyinfra.facts.files import Sha256File
 
 from facts.batch import FactRequest
-from facts.patches import PATCH_ROOT, PatchStates, load_patch_sets, remote_command, sums_write_command
-from facts.service import PATCH_RECORDS, PatchsetDigest, combine_digests
-from operations.releases import Release
+from facts.patches import PatchStates, remote_command, sums_write_command
+from facts.service import PatchsetDigest, combine_digests
 from servestack import patchlib, reads
 from servestack.hostrun import noop, refuse, write_record
+from servestack.patchsets import PATCH_ROOT, load_patch_sets
+from servestack.paths import PATCH_RECORDS, patch_record_path
+from servestack.releases import Release
 from servestack.settings import host_settings
 
 PACKAGE = "sglang"
-RECORD_FILE = PATCH_RECORDS[0]
 # SERVESTACK_PATCHSET in a dry run's unit for a release not built yet: the digest is of a record
 # written from the built release's files.
 PATCHSET_PENDING = "the digest of the record the patches step writes once the release is built"
-
-
-def record_path(release: Release) -> str:
-    """Where the patch step records the set it applied to a release."""
-    return f"{release.dir}/{RECORD_FILE}"
 
 
 def patch_fact_arguments(python: str, record_path: str | None = None, patch_root: str = str(PATCH_ROOT)) -> dict:
@@ -40,7 +36,7 @@ def host_reads(settings, release: Release | None = None) -> list[FactRequest]:
     """What this step reads of a host: the patch state of the release (nothing without one)."""
     if release is None:
         return []
-    return [FactRequest.of(PatchStates, **patch_fact_arguments(release.python, record_path(release)))]
+    return [FactRequest.of(PatchStates, **patch_fact_arguments(release.python, patch_record_path(release)))]
 
 
 def patchset_digest(release: Release) -> str | None:
@@ -54,7 +50,7 @@ def patchset_digest(release: Release) -> str | None:
     current = reads.fact(host, PatchsetDigest, release_dir=release.dir)
     if host.state.is_executing:
         return current
-    status = reads.fact(host, PatchStates, **patch_fact_arguments(release.python, record_path(release)))
+    status = reads.fact(host, PatchStates, **patch_fact_arguments(release.python, patch_record_path(release)))
     if not status:   # no patch state (pyinfra's @fake connector without one): the records as they are
         return current
     if not status["installed"]:
@@ -170,4 +166,4 @@ def _log_diffs(pending: list, status: dict) -> None:
 @deploy("SGLang patches")
 def patches(release: Release):
     """Apply the SGLang source patches to `release`'s environment (``venv.plan()``)."""
-    sglang_patches(name="Apply SGLang source patches", python=release.python, record_path=record_path(release))
+    sglang_patches(name="Apply SGLang source patches", python=release.python, record_path=patch_record_path(release))

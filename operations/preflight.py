@@ -33,19 +33,16 @@ from pyinfra.api import deploy, operation
 
 from facts.batch import FactRequest
 from facts.gpu import GpuReport, NvidiaGpus
-from facts.host import DiskSpace, HostLock, LockState, lock_path, parse_lock, release_lock_command, take_lock_command
+from facts.host import DiskSpace, HostLock, LockState, parse_lock, release_lock_command, take_lock_command
 from facts.preflight import PreflightFacts
-from facts.toolkit import CudaToolkits
+from facts.toolkit import CudaToolkits, toolkit_fact_arguments
 from operations.toolkit import (
     assess_install,
     digest_problem,
     human_bytes,
-    kept_paths,
     link_line,
     prestaged_problem,
     read_runfile_digest,
-    runfile_source,
-    toolkit_fact_arguments,
 )
 from servestack import reads
 from servestack.checks.gpus import GpuExpectation
@@ -61,6 +58,7 @@ from servestack.hostrun import (
     run_remote,
     run_started,
 )
+from servestack.paths import kept_paths, lock_path, runfile_source
 from servestack.settings import Settings, host_settings
 
 CHECKS = ("driver", "gpus", "compute_capability", "arch", "install_path", "runfile", "disk", "lock",

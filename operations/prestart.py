@@ -21,15 +21,16 @@ from pyinfra.api import deploy, operation
 from facts.batch import FactRequest
 from facts.service import ServiceRecord
 from operations.patches import patchset_digest
-from operations.releases import Release
 from operations.service import (
-    desired_unit, fingerprint, gpu_groups, launch_arguments, record_path, secrets_content, service_environment,
-    sha256_text, speculation_enabled,
+    desired_unit, fingerprint, gpu_groups, secrets_content, sha256_text, speculation_enabled,
 )
 from operations.service import host_reads as service_reads
 from servestack import reads
 from servestack.hostrun import noop, plan, while_busy
+from servestack.paths import service_record_path
+from servestack.releases import Release
 from servestack.scripts import python_script_command
+from servestack.serving import launch_arguments, service_environment
 from servestack.settings import Settings, host_settings
 
 SCRIPT = "sglang-prestart.py"
@@ -45,7 +46,7 @@ def due(settings: Settings, release: Release) -> str | None:
     """Why the service is about to run something new on `release` (None: it runs what it last ran healthy)."""
     secrets = secrets_content(host.name, settings.service_secret_env)
     wanted = fingerprint(desired_unit(settings, release, gpu_groups()), sha256_text(secrets) if secrets else None)
-    record = reads.fact(host, ServiceRecord, path=record_path(settings))
+    record = reads.fact(host, ServiceRecord, path=service_record_path(settings))
     if not record:
         return "no healthy start is recorded"
     return None if record.get("fingerprint") == wanted else "what the service runs changes"

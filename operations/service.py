@@ -1,10 +1,10 @@
 """The SGLang service: a pinned CUDA 13 systemd unit, restarted only when needed, health-gated.
 
 What the unit runs is the host's service profile with its host data (servestack/settings.py):
-`launch_arguments` renders its command line, with or without its speculative flags. Which of the
-two the unit runs is the speculation policy's (`speculation_enabled`): service_speculation "on"
-with, "off" without, "auto" as the benchmark recorded for what the service runs decided
-(servestack/bench.py; operations/speculation.py measures after this step).
+servestack/serving.py `launch_arguments` renders its command line, with or without its speculative
+flags. Which of the two the unit runs is the speculation policy's (`speculation_enabled`):
+service_speculation "on" with, "off" without, "auto" as the benchmark recorded for what the service
+runs decided (servestack/speculation_policy.py; operations/speculation.py measures after this step).
 
 `sglang_service(release)` is given the release this run leaves active (deploy.py: the one the
 venv step plans; rollback.py: the one it re-activates). In `--dry` on a fresh host that release
@@ -53,26 +53,36 @@ from facts.service import PatchsetDigest, PathOwner, ServiceRecord, UnitState, U
 from facts.venv import MlEnvState, release_of
 from operations import patches
 from operations.patches import patchset_digest
-from operations.releases import TOOL, Release, encode, release_at
 from operations.venv import mlenv_fact_arguments
-from servestack import bench, reads
+from servestack import reads
 from servestack.errors import ConfigError
 from servestack.hostrun import noop, parse_stamp, plan, refuse, refuse_now, while_busy
 from servestack.manifest import PROJECT_ROOT
+from servestack.paths import (
+    good_unit_path,
+    release_cache_dir,
+    secrets_path,
+    secrets_staging_path,
+    service_home_dir,
+    service_record_path,
+    service_state_dir,
+    speculation_record_path,
+    unit_copy_path,
+    unit_path,
+)
 from servestack.pyinfra_hooks import inner
+from servestack.releases import TOOL, Release, encode, release_at
 from servestack.scripts import atomic_write_command, script
+from servestack.serving import GENERATE_REQUEST, check_url, launch_arguments, service_environment, speculates
 from servestack.settings import Settings, host_settings, secret_variable_problems
+from servestack.speculation_policy import identity_fingerprint, speculation_wanted
 
 TEMPLATES = PROJECT_ROOT / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "sglang.service.j2"
 GATE_SCRIPT = "sglang-health-gate.sh"      # files/scripts: the health gate, run as root
 SECRETS_SCRIPT = "secrets-file.sh"         # files/scripts: stages, places and removes the secrets file
-UNIT_DIR = "/etc/systemd/system"
-SECRETS_DIR = "/etc/servestack"
-SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GPU_GROUPS = ("video", "render")  # own /dev/nvidia*, /dev/dri on distributions that restrict them
 FIRST_LOGIN_UID = 1000
-GENERATE_REQUEST = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 GENERATE_TIMEOUT_S = 300
 RUNNING_STATES = ("active", "activating", "reloading")
 
@@ -132,49 +142,10 @@ class Secret(str):
         return "<secret>"
 
 
-# -- paths -----------------------------------------------------------------------------------------
+# -- the release -----------------------------------------------------------------------------------
 
 def release(settings: Settings, release_id: str) -> Release:
     return release_at(settings.venv_releases_dir, release_id)
-
-
-def unit_path(settings: Settings) -> str:
-    return f"{UNIT_DIR}/{settings.service_name}"
-
-
-def secrets_path(settings: Settings) -> str:
-    return f"{SECRETS_DIR}/{settings.service_name}.env"
-
-
-def state_dir(settings: Settings) -> str:
-    return f"{settings.servestack_state_dir}/service"
-
-
-def record_path(settings: Settings) -> str:
-    return f"{state_dir(settings)}/{settings.service_name}.json"
-
-
-def good_unit_path(settings: Settings) -> str:
-    return f"{state_dir(settings)}/{settings.service_name}.good"
-
-
-def home_dir(settings: Settings) -> str:
-    return f"/var/lib/{settings.service_user}"
-
-
-def cache_dir(settings: Settings, release_id: str) -> str:
-    """JIT caches for one toolkit + release: kernels built by one nvcc are never reused by another."""
-    return f"{settings.service_cache_dir}/{settings.cuda_version}-{release_id}"
-
-
-def check_url(settings: Settings) -> str:
-    """Where the health gate reaches the server from the host itself."""
-    address = settings.service_host
-    if address in ("0.0.0.0", "::", "localhost", ""):
-        address = "127.0.0.1"
-    elif ":" in address:
-        address = f"[{address}]"
-    return f"http://{address}:{settings.service_port}"
 
 
 # -- validation and warnings -----------------------------------------------------------------------
@@ -199,65 +170,6 @@ def _minor(settings: Settings) -> str:
 
 
 # -- the unit --------------------------------------------------------------------------------------
-
-def speculates(settings: Settings) -> bool:
-    """Whether the host's service profile (with its host data) runs speculative decoding."""
-    return settings.service_speculative_algorithm != "NONE"
-
-
-def speculative_arguments(settings: Settings) -> list[str]:
-    """The speculative-decoding flags of the profile: none without speculation; no draft path for a
-    model that drafts with its own MTP layers (settings.py checks which need one)."""
-    if not speculates(settings):
-        return []
-    args = ["--speculative-algorithm", settings.service_speculative_algorithm]
-    if settings.service_draft_model_path is not None:
-        args += ["--speculative-draft-model-path", settings.service_draft_model_path]
-    return args + ["--speculative-num-steps", str(settings.service_speculative_num_steps),
-                   "--speculative-eagle-topk", str(settings.service_speculative_eagle_topk),
-                   "--speculative-num-draft-tokens", str(settings.service_speculative_num_draft_tokens)]
-
-
-def launch_arguments(settings: Settings, speculation: bool = True) -> list[str]:
-    """`sglang.launch_server` arguments of the host's service profile and host data; with
-    `speculation=False`, the same without the speculative flags (the profile's baseline)."""
-    args = ["--model-path", settings.service_model_path, "--tp", str(settings.service_tp)]
-    if speculation:
-        args += speculative_arguments(settings)
-    args += ["--attention-backend", settings.service_attention_backend]
-    if settings.service_quantization is not None:
-        args += ["--quantization", settings.service_quantization]
-    if settings.service_kv_cache_dtype is not None:
-        args += ["--kv-cache-dtype", settings.service_kv_cache_dtype]
-    if settings.service_trust_remote_code:
-        args.append("--trust-remote-code")
-    if settings.service_enable_torch_symm_mem:
-        args.append("--enable-torch-symm-mem")
-    if settings.service_enable_flashinfer_allreduce_fusion:
-        args.append("--enable-flashinfer-allreduce-fusion")
-    args += ["--host", settings.service_host, "--port", str(settings.service_port)]
-    return args + list(settings.service_extra_args)
-
-
-def service_environment(settings: Settings, rel: Release, patchset: str | None) -> list[tuple[str, str]]:
-    """The unit's environment: the manifest's toolkit first, per-toolkit/release caches, then host data."""
-    cuda = settings.cuda_install_path
-    cache = cache_dir(settings, rel.id)
-    pinned = [
-        ("CUDA_HOME", cuda),
-        ("CUDA_PATH", cuda),
-        ("PATH", f"{cuda}/bin:{rel.venv}/bin:{SYSTEM_PATH}"),
-        ("LD_LIBRARY_PATH", f"{cuda}/lib64"),
-        ("FLASHINFER_WORKSPACE_BASE", cache),
-        ("TRITON_CACHE_DIR", f"{cache}/triton"),
-        ("SGLANG_DG_CACHE_DIR", f"{cache}/deep_gemm"),
-        ("TORCHINDUCTOR_CACHE_DIR", f"{cache}/inductor"),
-        ("HOME", home_dir(settings)),
-        ("SERVESTACK_RELEASE", rel.id),
-        ("SERVESTACK_PATCHSET", patchset or "none"),
-    ]
-    return pinned + sorted(settings.service_env.items())
-
 
 def systemd_quote(value: str) -> str:
     """One word of a systemd command line (ExecStart=), quoted when needed: specifiers (%) and
@@ -310,7 +222,7 @@ def render_unit(settings: Settings, rel: Release, patchset: str | None,
         cuda_home=settings.cuda_install_path,
         user=settings.service_user,
         supplementary_groups=list(supplementary_groups),
-        home=home_dir(settings),
+        home=service_home_dir(settings),
         environment=[systemd_environment_quote(f"{name}={value}")
                      for name, value in service_environment(settings, rel, patchset)],
         secrets_file=secrets_path(settings) if with_secrets else None,
@@ -379,9 +291,9 @@ def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
         "SS_RELEASE": rel.id,
         "SS_RELEASE_DIR": rel.dir,
         "SS_FINGERPRINT": unit_fingerprint,
-        "SS_STATE_DIR": state_dir(settings),
+        "SS_STATE_DIR": service_state_dir(settings),
         "SS_GOOD_UNIT": good_unit_path(settings),
-        "SS_RECORD": record_path(settings),
+        "SS_RECORD": service_record_path(settings),
         "SS_VENV_PATH": settings.venv_path,
         "SS_PREVIOUS_RELEASE": previous or "",
         "SS_PREVIOUS_VENV": previous_venv,
@@ -441,11 +353,6 @@ def rollout_failures(state, op_hash: str) -> list[str]:
 
 # -- what the operations read and share ----------------------------------------------------------------
 
-def unit_copy_path(settings: Settings, rel: Release) -> str:
-    """The copy of the unit kept in its release (the unit that release ran with)."""
-    return f"{rel.dir}/{settings.service_name}"
-
-
 def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[str, ...],
                  speculation: bool | None = None) -> str:
     """The unit for `rel`, with or without the speculative flags (None: as the policy says)."""
@@ -457,7 +364,7 @@ def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[s
 
 def service_identity(settings: Settings, rel: Release) -> dict:
     """What the service runs, as far as its speed goes: what a speculation decision was measured for
-    (servestack/bench.py `identity_fingerprint`)."""
+    (servestack/speculation_policy.py `identity_fingerprint`)."""
     patchset = patchset_digest(rel)
     return {"release": rel.id, "patchset": patchset or "none", "profile": settings.service_profile,
             "launch_module": settings.service_launch_module, "arguments": launch_arguments(settings, True),
@@ -469,9 +376,9 @@ def speculation_enabled(settings: Settings, rel: Release) -> bool:
     "auto", the decision recorded for what the service runs, else the profile as written)."""
     if not speculates(settings):
         return False
-    record = reads.fact(host, ServiceRecord, path=bench.record_path(settings))
-    return bench.speculation_wanted(settings.service_speculation, settings.service_speculation_min_gain, record,
-                                    bench.identity_fingerprint(service_identity(settings, rel)))
+    record = reads.fact(host, ServiceRecord, path=speculation_record_path(settings))
+    return speculation_wanted(settings.service_speculation, settings.service_speculation_min_gain, record,
+                                    identity_fingerprint(service_identity(settings, rel)))
 
 
 def gpu_groups() -> tuple[str, ...]:
@@ -503,17 +410,17 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
     paths) are not listed."""
     requests = [
         *deploy_reads(settings),
-        FactRequest.of(Directory, path=home_dir(settings)),
+        FactRequest.of(Directory, path=service_home_dir(settings)),
         FactRequest.of(Sha256File, path=secrets_path(settings)),
         FactRequest.of(Which, command="curl"),
         FactRequest.of(UnitState, unit=settings.service_name),
         FactRequest.of(Sha256File, path=unit_path(settings)),
-        FactRequest.of(ServiceRecord, path=record_path(settings)),
-        FactRequest.of(ServiceRecord, path=bench.record_path(settings)),
+        FactRequest.of(ServiceRecord, path=service_record_path(settings)),
+        FactRequest.of(ServiceRecord, path=speculation_record_path(settings)),
     ]
     if release is not None:
         requests += [
-            FactRequest.of(PathOwner, path=cache_dir(settings, release.id)),
+            FactRequest.of(PathOwner, path=release_cache_dir(settings, release.id)),
             FactRequest.of(PatchsetDigest, release_dir=release.dir),
             *patches.host_reads(settings, release),   # patchset_digest: what the patches step leaves
             FactRequest.of(Sha256File, path=unit_copy_path(settings, release)),
@@ -530,8 +437,8 @@ SERVICE_USER_SHELL = "/usr/sbin/nologin"
 def _user_is_current(settings: Settings, groups: tuple[str, ...]) -> bool:
     """What `server.user` below would check, from two small facts: no change when all match."""
     existing = reads.fact(host, UserAccount, user=settings.service_user).get(settings.service_user)
-    home = reads.fact(host, Directory, path=home_dir(settings))
-    return bool(existing) and bool(home) and existing.get("home") == home_dir(settings) \
+    home = reads.fact(host, Directory, path=service_home_dir(settings))
+    return bool(existing) and bool(home) and existing.get("home") == service_home_dir(settings) \
         and existing.get("shell") == SERVICE_USER_SHELL and existing.get("comment") == SERVICE_USER_COMMENT \
         and set(existing.get("groups") or ()) == set(groups) \
         and home.get("user") == settings.service_user and home.get("group") == settings.service_user
@@ -552,7 +459,7 @@ def service_user(settings: Settings, groups: tuple[str, ...] = ()):
         user=settings.service_user,
         system=True,
         shell=SERVICE_USER_SHELL,
-        home=home_dir(settings),
+        home=service_home_dir(settings),
         groups=list(groups),
         comment=SERVICE_USER_COMMENT,
     )
@@ -569,7 +476,7 @@ def cache_directory(settings: Settings, release: Release):
     The directory is ``<service_cache_dir>/<cuda_version>-<release id>``: kernels compiled by
     one toolkit for one release are never picked up by another.
     """
-    path = cache_dir(settings, release.id)
+    path = release_cache_dir(settings, release.id)
     if reads.fact(host, PathOwner, path=path) == {"owner": settings.service_user, "mode": "750"}:
         noop(host, f"cache directory {path} exists")
         return
@@ -610,13 +517,8 @@ def secrets_file(settings: Settings, content: Secret | None):
     yield script(SECRETS_SCRIPT, "stage", path)
     yield StringCommand("rm", "-rf", QuoteString(upload_dir), "&&", "mkdir", "-m", "700",
                         QuoteString(upload_dir), _sudo=False)
-    yield FileUploadCommand(StringIO(content), staging_path(path), remote_temp_filename=f"{upload_dir}/secrets")
+    yield FileUploadCommand(StringIO(content), secrets_staging_path(path), remote_temp_filename=f"{upload_dir}/secrets")
     yield script(SECRETS_SCRIPT, "place", path, upload_dir)
-
-
-def staging_path(path: str) -> str:
-    """Where files/scripts/secrets-file.sh stages the secrets file before renaming it into place."""
-    return f"{path}.servestack-new"
 
 
 @operation()
@@ -652,7 +554,7 @@ def unit(settings: Settings, release: Release, supplementary_groups: tuple[str, 
     commands = []
     if current_sha != sha256_text(text):
         current_lines = reads.fact(host, FileContents, path=path) or []
-        if current_sha and reads.fact(host, ServiceRecord, path=record_path(settings)) is None:
+        if current_sha and reads.fact(host, ServiceRecord, path=service_record_path(settings)) is None:
             commands += _baseline_commands(settings, current_lines, pre_deploy_venv)
         if host.state.config.DIFF:
             _log_unit_diff(path, current_lines, text)
@@ -679,7 +581,7 @@ def _baseline_commands(settings: Settings, current_lines: list[str], pre_deploy_
     return [
         StringCommand("install", "-D", "-m", "644", "--", QuoteString(unit_path(settings)),
                       QuoteString(good_unit_path(settings))),
-        StringCommand(atomic_write_command(record_path(settings), record, "644")),
+        StringCommand(atomic_write_command(service_record_path(settings), record, "644")),
     ]
 
 
@@ -730,7 +632,7 @@ def restart(settings: Settings, release: Release, secrets_sha: str | None = None
     once more than ``rollout_failure_budget`` hosts failed their gate, the others are not restarted.
     """
     wanted = fingerprint(desired_unit(settings, release, supplementary_groups), secrets_sha)
-    record = reads.fact(host, ServiceRecord, path=record_path(settings))
+    record = reads.fact(host, ServiceRecord, path=service_record_path(settings))
     state = reads.fact(host, UnitState, unit=settings.service_name)
     elsewhere = restarted_since_verified(record, state) and edited_since_verified(
         record, (reads.fact(host, File, path=unit_path(settings)) or {}).get("mtime"))

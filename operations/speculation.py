@@ -4,9 +4,9 @@ Host data `service_speculation` says whether the unit runs the profile's specula
 (default, as the reference deployments), "off", or "auto": measured. operations/service.py renders
 the unit accordingly (`service.speculation_enabled`); this step runs after it (deploy.py) and, under
 "auto", benchmarks the host when no measurement is recorded for what the service runs now (its
-release, patch set, profile, command line, environment: servestack/bench.py `identity_fingerprint`),
-so a converge that changed none of those never benchmarks again. A dry run says for each host
-whether it would benchmark and why.
+release, patch set, profile, command line, environment: servestack/speculation_policy.py
+`identity_fingerprint`), so a converge that changed none of those never benchmarks again. A dry run
+says for each host whether it would benchmark and why.
 
 The benchmark (`benchmark`: one FunctionCommand at execute, hosts a `rollout_batch` at a time):
   1. baseline: the unit without the speculative flags is written (files/scripts/atomic-write.sh)
@@ -14,9 +14,9 @@ The benchmark (`benchmark`: one FunctionCommand at execute, hosts a `rollout_bat
      `service.gate_environment`, under busy.sh as the service step's restart runs it); then
      files/scripts/bench-client.py measures it from the host itself, over loopback;
   2. speculation: the same with the profile's speculative flags;
-  3. the policy decides from both means (servestack/bench.py `decide`); unless it chose the
-     configuration running now, that configuration's unit is started through the gate again; the
-     unit is copied into the release (the unit that release runs with);
+  3. the policy decides from both means (servestack/speculation_policy.py `decide`); unless it
+     chose the configuration running now, that configuration's unit is started through the gate
+     again; the unit is copied into the release (the unit that release runs with);
   4. the measurement and the decision are recorded in `<servestack_state_dir>/speculation.json`
      (bookkeeping, `hostrun.write_record`). The run says the decision with both numbers.
 A configuration that does not become healthy is rolled back by the gate to the last unit that
@@ -31,7 +31,9 @@ preflight, the host's lock, the benchmark whatever the policy, the lock's releas
 
 from __future__ import annotations
 
+import base64
 import json
+import shlex
 from dataclasses import dataclass
 
 from pyinfra import host, logger
@@ -41,29 +43,61 @@ from pyinfra.facts.server import Groups
 from facts.batch import FactRequest
 from facts.service import PatchsetDigest, ServiceRecord, UnitState
 from operations import patches, preflight, service, venv
-from operations.releases import Release
-from servestack import bench, reads
-from servestack.bench import BASELINE, CONFIGURATIONS, SPECULATION
+from servestack import reads
 from servestack.hostrun import is_executing, noop, refuse, refuse_now, run_id, run_remote, while_busy, write_record
+from servestack.manifest import PROJECT_ROOT
+from servestack.paths import service_record_path, speculation_record_path, unit_copy_path, unit_path
+from servestack.releases import Release
 from servestack.scripts import atomic_write_command, script_command
+from servestack.serving import check_url, speculates
 from servestack.settings import Settings, host_settings
+from servestack.speculation_policy import (
+    BASELINE,
+    CONFIGURATIONS,
+    SPECULATION,
+    benchmark_reason,
+    decide,
+    make_record,
+)
 
 # The operation's name: the run's recap and its interruption notice treat it as the restarts it makes
 # (servestack/runreport.py matches "health-gated restart").
 BENCHMARK = "Health-gated restarts: speculation benchmark"
+CLIENT = PROJECT_ROOT / "files" / "scripts" / "bench-client.py"
+HEREDOC = "__SERVESTACK_BENCH_CLIENT__"
 
 
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
     """What `speculation` and `bench_now` read of a host (deploy.py reads them all in one command):
     the decision's record, the health gate's record and the unit (on demand), the GPU groups (when
     benchmarking), what the service runs (the release's patch set)."""
-    requests = [FactRequest.of(ServiceRecord, path=bench.record_path(settings)),
-                FactRequest.of(ServiceRecord, path=service.record_path(settings)),
+    requests = [FactRequest.of(ServiceRecord, path=speculation_record_path(settings)),
+                FactRequest.of(ServiceRecord, path=service_record_path(settings)),
                 FactRequest.of(UnitState, unit=settings.service_name),
                 FactRequest.of(Groups)]
     if release is not None:   # what the service runs: its release's patch set (patches.patchset_digest)
         requests += [FactRequest.of(PatchsetDigest, release_dir=release.dir), *patches.host_reads(settings, release)]
     return requests
+
+
+# -- the request and the client ------------------------------------------------------------------
+
+def method(settings, runs: int | None = None, concurrency=None) -> dict:
+    """The benchmark's request: the manifest's [service.speculation_benchmark], with `servestack
+    bench`'s --runs and --concurrency; concurrency 1 always (the reference's measure)."""
+    table = settings.manifest.service["speculation_benchmark"]
+    levels = sorted({1, *(concurrency or table["concurrency"])})
+    return {"prompt": table["prompt"], "max_new_tokens": table["max_new_tokens"], "runs": runs or table["runs"],
+            "warmup": table["warmup"], "concurrency": levels, "request_timeout_s": table["request_timeout_s"]}
+
+
+def client_command(python: str, params: dict) -> str:
+    """`python -I -S - PARAMS` with files/scripts/bench-client.py on stdin (nothing uploaded; stdlib only)."""
+    script = CLIENT.read_text()
+    if HEREDOC in script:
+        raise AssertionError(f"{CLIENT} must not contain {HEREDOC}")
+    encoded = base64.b64encode(json.dumps(params, sort_keys=True).encode()).decode()
+    return f"{shlex.quote(python)} -I -S - {encoded} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
 
 
 @dataclass(frozen=True)
@@ -75,14 +109,14 @@ class Job:
     units: dict            # configuration -> the unit's text
     secrets_sha: str | None
     identity: dict         # what the service runs (service.service_identity)
-    params: dict           # the client's input: the request (bench.method) and the server's URL
+    params: dict           # the client's input: the request (`method`) and the server's URL
     by: str                # "deploy" or "bench"
     request: str | None    # `servestack bench`'s id for this measurement
 
 
 def _on_demand_problem(settings: Settings, release: Release) -> str | None:
     """Why `servestack bench` cannot measure the host: the service must run as a deploy left it."""
-    record = reads.fact(host, ServiceRecord, path=service.record_path(settings))
+    record = reads.fact(host, ServiceRecord, path=service_record_path(settings))
     state = reads.fact(host, UnitState, unit=settings.service_name)
     if not record or not record.get("fingerprint") or record.get("release") != release.id:
         return (f"{settings.service_name} has no healthy start recorded on the active release {release.id}: "
@@ -105,15 +139,15 @@ def benchmark(settings: Settings, release: Release, on_demand: dict | None = Non
       whatever the policy and the record say (None: the deploy's step, measuring only under "auto"
       when nothing is recorded for what the service runs)
     """
-    if not service.speculates(settings):
+    if not speculates(settings):
         noop(host, f"service profile {settings.service_profile} runs no speculative decoding "
                    "(speculative_algorithm NONE): nothing to measure")
         return
     identity = service.service_identity(settings, release)
-    record = reads.fact(host, ServiceRecord, path=bench.record_path(settings))
+    record = reads.fact(host, ServiceRecord, path=speculation_record_path(settings))
     if on_demand is None:
-        needed, why = bench.benchmark_reason(settings.service_speculation, settings.service_speculation_min_gain,
-                                             record, identity)
+        needed, why = benchmark_reason(settings.service_speculation, settings.service_speculation_min_gain,
+                                       record, identity)
         if not needed:
             noop(host, why)
             return
@@ -126,8 +160,7 @@ def benchmark(settings: Settings, release: Release, on_demand: dict | None = Non
     options = on_demand or {}
     groups = service.gpu_groups()
     secrets = service.secrets_content(host.name, settings.service_secret_env)
-    params = {**bench.method(settings, options.get("runs"), options.get("concurrency")),
-              "url": service.check_url(settings)}
+    params = {**method(settings, options.get("runs"), options.get("concurrency")), "url": check_url(settings)}
     job = Job(settings=settings, release=release,
               units={config: service.desired_unit(settings, release, groups, speculation=config == SPECULATION)
                      for config in CONFIGURATIONS},
@@ -150,9 +183,9 @@ def _failed(state, host, problems: list[str]) -> bool:
 def _start(state, host, job: Job, config: str) -> bool:
     """Write `config`'s unit and start it through the health gate (which rolls back on failure)."""
     settings, text = job.settings, job.units[config]
-    ok, _, stderr = run_remote(host, atomic_write_command(service.unit_path(settings), text, "644"))
+    ok, _, stderr = run_remote(host, atomic_write_command(unit_path(settings), text, "644"))
     if not ok:
-        return _failed(state, host, [f"could not write the {config} unit {service.unit_path(settings)}: "
+        return _failed(state, host, [f"could not write the {config} unit {unit_path(settings)}: "
                                       f"{' '.join(stderr)}; {settings.service_name} was not restarted"])
     environment = service.gate_environment(settings, job.release, service.fingerprint(text, job.secrets_sha),
                                            {"release": job.release.id})
@@ -167,7 +200,7 @@ def _measure(state, host, job: Job, config: str) -> dict | None:
     settings = job.settings
     command = script_command("busy.sh", settings.servestack_state_dir, run_id(state),
                              f"benchmark of the {config} configuration", "bash", "-c",
-                             bench.client_command(settings.venv_python, job.params))
+                             client_command(settings.venv_python, job.params))
     ok, stdout, stderr = run_remote(host, StringCommand(command))
     results = [line for line in stdout if line.startswith("{")]
     if not ok or not results:
@@ -199,19 +232,18 @@ def _run_benchmark(state, host, job: Job) -> bool:
             return False
         results[config] = result
         host.log(_summary(config, result))
-    decision = bench.decide(settings.service_speculation, settings.service_speculation_min_gain,
-                            results[SPECULATION]["output_tok_s"]["mean"], results[BASELINE]["output_tok_s"]["mean"])
+    decision = decide(settings.service_speculation, settings.service_speculation_min_gain,
+                      results[SPECULATION]["output_tok_s"]["mean"], results[BASELINE]["output_tok_s"]["mean"])
     host.log_styled(decision.why, bold=True, log_func=logger.info)
     if decision.configuration != running and not _start(state, host, job, decision.configuration):
         return False
-    copy_path = service.unit_copy_path(settings, job.release)
+    copy_path = unit_copy_path(settings, job.release)
     ok, _, stderr = run_remote(host, atomic_write_command(copy_path, job.units[decision.configuration], "644"))
     if not ok:
         host.log(f"could not copy the unit into {copy_path}: {' '.join(stderr)}", logger.warning)
-    record = bench.make_record(job.identity, settings.service_speculation, settings.service_speculation_min_gain,
-                               results, decision, by=job.by, run_id=run_id(state), request=job.request,
-                               method_=job.params)
-    write_record(host, atomic_write_command(bench.record_path(settings), json.dumps(record, indent=1), "644"),
+    record = make_record(job.identity, settings.service_speculation, settings.service_speculation_min_gain,
+                         results, decision, by=job.by, run_id=run_id(state), request=job.request, method_=job.params)
+    write_record(host, atomic_write_command(speculation_record_path(settings), json.dumps(record, indent=1), "644"),
                  "the speculation record")
     return True
 

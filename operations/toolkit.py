@@ -42,11 +42,10 @@ and cuda-toolkit.sh (install, restore or point the link, move an interrupted ins
 from __future__ import annotations
 
 import json
-import posixpath
 import shlex
 from dataclasses import dataclass, field
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
@@ -60,12 +59,13 @@ from facts.toolkit import (
     ToolkitFingerprint,
     ToolkitState,
     Tree,
-    marker_path,
-    record_path,
+    toolkit_fact_arguments,
 )
-from servestack import reads
+from servestack import download, reads
+from servestack.checks.toolkit import version_json_problem
 from servestack.hostrun import host_refused, noop, plan, refuse, run_id, run_remote, utc_stamp, while_busy
 from servestack.manifest import Runfile
+from servestack.paths import RunfileSource, kept_paths, runfile_source, toolkit_marker_path, toolkits_record_path
 from servestack.scripts import atomic_write_command, script_command
 from servestack.settings import Settings, host_settings
 
@@ -83,54 +83,6 @@ def human_bytes(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.1f} {unit}"
     return f"{size} B"
-
-
-# Where things are
-
-def kept_paths(settings: Settings) -> tuple[str, ...]:
-    """The kept toolkits' roots: `cuda-<version>` beside the link (/usr/local/cuda-12.8)."""
-    parent = posixpath.dirname(settings.manifest.cuda["link_path"])
-    return tuple(posixpath.join(parent, f"cuda-{version}") for version in settings.manifest.cuda["keep"])
-
-
-@dataclass(frozen=True)
-class RunfileSource:
-    """Where the runfile for one architecture comes from and where its verified copy lives."""
-
-    runfile: Runfile
-    mode: str               # "prestaged", "host" (the host downloads) or "controller" (uploaded)
-    cached: str             # the verified file: <cuda_cache_dir>/<file>, or the pre-staged path
-    part: str | None        # download/upload target (<cached>.part); None when pre-staged
-
-
-def runfile_source(settings: Settings, arch: str | None) -> RunfileSource | None:
-    """The runfile source for `arch`, or None when the manifest has no runfile for it."""
-    if arch not in settings.manifest.runfiles:
-        return None
-    runfile = settings.runfile(arch)
-    if settings.cuda_runfile_path:
-        return RunfileSource(runfile, "prestaged", settings.cuda_runfile_path, None)
-    cached = posixpath.join(settings.cuda_cache_dir, runfile.file)
-    return RunfileSource(runfile, settings.cuda_runfile_from, cached, cached + ".part")
-
-
-def runfile_candidates(settings: Settings) -> tuple[str, ...]:
-    """Every runfile path worth a stat, for every architecture of the manifest."""
-    paths = []
-    for arch in settings.manifest.runfiles:
-        source = runfile_source(settings, arch)
-        paths += [source.cached] + ([source.part] if source.part else [])
-    return tuple(dict.fromkeys(paths))
-
-
-def toolkit_fact_arguments(settings: Settings) -> dict:
-    return {
-        "install_path": settings.cuda_install_path,
-        "keep_paths": kept_paths(settings),
-        "link_path": settings.manifest.cuda["link_path"],
-        "state_dir": settings.servestack_state_dir,
-        "files": runfile_candidates(settings),
-    }
 
 
 def host_reads(settings: Settings, release=None) -> list[FactRequest]:
@@ -155,38 +107,6 @@ class Verdict:
     @property
     def refused(self) -> bool:
         return self.kind == "foreign"
-
-
-def _is_date_stamp(version: str) -> bool:
-    try:
-        release = Version(version).release
-    except InvalidVersion:
-        return False
-    return len(release) >= 3 and release[2] >= 10000
-
-
-def version_json_problem(settings: Settings, version_json: dict) -> str | None:
-    """Why a version.json is not the manifest's toolkit, or None.
-
-    `cuda_nvcc.version` must be the manifest's nvcc version; `cuda.version` must be the
-    manifest's version, except that a date stamp (12.6.20241114, seen in runfile installs) only
-    has to share its major.minor.
-    """
-    cuda = settings.manifest.cuda
-    nvcc = (version_json.get("cuda_nvcc") or {}).get("version")
-    if nvcc != cuda["nvcc_version"]:
-        return f"version.json says cuda_nvcc {nvcc}, expected {cuda['nvcc_version']}"
-    sdk = (version_json.get("cuda") or {}).get("version")
-    if sdk is None:
-        return "version.json has no cuda.version"
-    wanted = settings.cuda_version
-    if _is_date_stamp(sdk):
-        release = Version(wanted).release
-        if not sdk.startswith(f"{release[0]}.{release[1]}."):
-            return f"version.json says CUDA {sdk}, expected {wanted}"
-    elif sdk != wanted:
-        return f"version.json says CUDA {sdk}, expected {wanted}"
-    return None
 
 
 def _ours_interrupted(tree: Tree, marker: dict | None) -> bool:
@@ -239,8 +159,6 @@ def assess_install(settings: Settings, tree: Tree, marker: dict | None = None) -
 
 def digest_problem(runfile: Runfile, digest: Digest | None) -> str | None:
     """Why a digest is not the runfile's, or None when size, md5 and sha256 all match."""
-    from servestack import download  # requests and rich.progress: imported only when a runfile is checked
-
     if digest is None or not digest.present:
         return "the file is missing"
     return download.mismatch(runfile, download.Sums(digest.stat.size, digest.md5, digest.sha256))
@@ -407,7 +325,7 @@ def install_command(settings: Settings, source: RunfileSource, use: str, keep_ch
         "SS_INSTALL_PATH": settings.cuda_install_path,
         "SS_TMP_DIR": settings.cuda_tmpdir,
         "SS_STATE_DIR": state_dir,
-        "SS_MARKER_FILE": marker_path(state_dir),
+        "SS_MARKER_FILE": toolkit_marker_path(state_dir),
         "SS_MARKER": json.dumps(marker),
         "SS_CUDA_VERSION": settings.cuda_version,
         "SS_NVCC_RELEASE": ".".join(str(part) for part in Version(settings.cuda_version).release[:2]),
@@ -424,7 +342,7 @@ def install_command(settings: Settings, source: RunfileSource, use: str, keep_ch
 
 def move_aside_command(path: str, state_dir: str) -> str:
     """Move an interrupted install's tree aside and forget its marker."""
-    return script_command("cuda-toolkit.sh", "move-aside", path, marker_path(state_dir))
+    return script_command("cuda-toolkit.sh", "move-aside", path, toolkit_marker_path(state_dir))
 
 
 def write_json_command(path: str, data: dict) -> str:
@@ -526,13 +444,13 @@ def _check_after_install(state, host, settings: Settings, expected_chain: LinkCh
         for problem in problems:
             host.log_styled(f"toolkit check failed: {problem}", fg="red", log_func=logger.error)
         host.log(f"every run re-checks until this is resolved: repair the host, or accept what it shows by "
-                 f"removing {marker_path(settings.servestack_state_dir)}")
+                 f"removing {toolkit_marker_path(settings.servestack_state_dir)}")
         return False
     record = json.loads(json.dumps(toolkits.record or {}))
     record["installed"] = {**record_target(settings), "at": utc_stamp(), "run_id": run_id(state),
                            "link_policy": settings.cuda_link_policy, "link": toolkits.link.to_record()}
-    ok, _, stderr = run_remote(host, write_json_command(record_path(settings.servestack_state_dir), record)
-                               + f" && rm -f {shlex.quote(marker_path(settings.servestack_state_dir))}")
+    ok, _, stderr = run_remote(host, write_json_command(toolkits_record_path(settings.servestack_state_dir), record)
+                               + f" && rm -f {shlex.quote(toolkit_marker_path(settings.servestack_state_dir))}")
     if not ok:
         host.log_styled(f"could not update toolkits.json: {' '.join(stderr)}", fg="red", log_func=logger.error)
         return False
@@ -543,8 +461,6 @@ def _check_after_install(state, host, settings: Settings, expected_chain: LinkCh
 
 def _upload_from_controller(state, host, runfile: Runfile, part: str) -> bool:
     """Download the runfile once on the control machine (verified), then send it to this host."""
-    from servestack import download
-
     try:
         local = download.fetch_runfile(runfile)
         host.log(f"uploading {human_bytes(runfile.size)} from {local}")
@@ -571,7 +487,7 @@ def _record_steps(settings: Settings, state: ToolkitState, steps: _Steps) -> Non
     fingerprints, more = dict(zip(paths, read)), completed(state, dict(zip(incomplete, read[len(paths):])))
     if not fingerprints and not more:
         return
-    target = record_path(settings.servestack_state_dir)
+    target = toolkits_record_path(settings.servestack_state_dir)
     steps.lines += _record_lines(state, fingerprints, more, target)
     steps.commands.append(write_json_command(target, new_record(settings, state, {**fingerprints, **more},
                                                                 run_id(host.state))))

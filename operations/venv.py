@@ -13,7 +13,7 @@ back to), then `venv.rollback(release)`. Every operation reads the one MlEnvStat
 only when a change is due, the active environment's packages (ActivePackages) as well.
 
 Building: one resolution, then an ordered install. `uv pip compile` resolves the stack once into
-`lock.txt` (hashes for every file; see operations/releases.py for the index/overrides design);
+`lock.txt` (hashes for every file; see servestack/releases.py for the index/overrides design);
 the lock is then installed in the documented order (torch, torchvision, torchaudio -> sglang ->
 sgl-kernel -> flashinfer), each step its packages plus the dependencies they bring, with
 `--no-deps --require-hashes` from the one index the lock names for them. Resolving once makes the
@@ -31,35 +31,25 @@ hard-links files instead of downloading them again.
 from __future__ import annotations
 
 import json
-import os
 
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
 from facts.batch import FactRequest
 from facts.venv import ActivePackages, MlEnvState
-from operations.releases import (
+from servestack import hostrun, reads, stack_hashes
+from servestack.errors import ConfigError
+from servestack.hostrun import note, noop, refuse, refuse_now, utc_stamp, while_busy
+from servestack.paths import uv_binary, uv_cache_dir
+from servestack.releases import (
     CHECK, NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
     release_plan, releases_to_prune, tool_command,
 )
-from operations import stack_hashes
-from operations.releases import rollback_target as choose_rollback_target
-from servestack import hostrun, reads
-from servestack.errors import ConfigError
-from servestack.hostrun import note, noop, refuse, refuse_now, utc_stamp, while_busy
+from servestack.releases import rollback_target as choose_rollback_target
 from servestack.settings import host_settings
 
 
 # --- reading the host ---------------------------------------------------------------------------
-
-def uv_binary(settings) -> str:
-    return f"{settings.uv_install_dir}/bin/uv"
-
-
-def uv_cache_dir(settings) -> str:
-    """uv's cache, beside the releases by default: same filesystem, so installs are hard links."""
-    return settings.uv_cache_dir or os.path.dirname(settings.venv_releases_dir.rstrip("/")) + "/uv-cache"
-
 
 def mlenv_fact_arguments(settings) -> dict:
     return {"venv_path": settings.venv_path, "releases_dir": settings.venv_releases_dir,

@@ -35,6 +35,7 @@ from servestack.checks.catalogue import (CHECKS, CHECKS_BY_NAME, Check, base_nam
 from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
 from servestack.checks.readings import NEEDS, Readings, in_order, read_groups, requests
 from servestack.hostrun import noop, refuse, write_record
+from servestack.paths import verification_record_path
 from servestack.scripts import atomic_write_command
 from servestack.settings import Settings, host_settings
 
@@ -45,11 +46,6 @@ DEPLOY_CHECKS = tuple(check.name for check in CHECKS if check.name != "service_g
 REUSABLE_GROUPS = ("python", "sample", "patches")
 # What that state is read from: driver and GPUs, the toolkits, the active release.
 STATE_GROUPS = ("gpu", "toolkit", "kept", "host")
-RECORD_FILE = "verified.json"
-
-
-def record_path(settings: Settings) -> str:
-    return f"{settings.servestack_state_dir}/{RECORD_FILE}"
 
 
 def is_reusable(check: Check) -> bool:
@@ -79,7 +75,7 @@ def _as_deployed(release) -> dict:
 
 
 def _record_request(settings: Settings) -> FactRequest:
-    return FactRequest.of(VerificationRecord, path=record_path(settings))
+    return FactRequest.of(VerificationRecord, path=verification_record_path(settings))
 
 
 def host_reads(settings: Settings, release=None, names: tuple[str, ...] = DEPLOY_CHECKS) -> list[FactRequest]:
@@ -194,8 +190,8 @@ def checks_pass(release=None, names: tuple[str, ...] = DEPLOY_CHECKS):
         return
     if use_record and not reused:
         ran = [outcome for outcome in judged if base_name(outcome.check) in {check.name for check in heavy}]
-        write_record(host, atomic_write_command(record_path(settings), record_text(key, heavy, ran)),
-                     f"the verification record {record_path(settings)}")
+        write_record(host, atomic_write_command(verification_record_path(settings), record_text(key, heavy, ran)),
+                     f"the verification record {verification_record_path(settings)}")
     summary = _summary(outcomes, reused, record)
     host.log(summary)   # shown without -v: what the run verified, and what it reused
     noop(host, summary)

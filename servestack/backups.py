@@ -16,6 +16,7 @@ import sys
 from facts.batch import FactRequest
 from facts.venv import MlEnvBackups, MlEnvState
 from operations.venv import mlenv_fact_arguments
+from servestack.verify import Unreachable, read_all, targets_from_inventory
 
 
 def backup_requests(settings) -> list[FactRequest]:
@@ -27,8 +28,6 @@ def backup_requests(settings) -> list[FactRequest]:
 
 def collect(inventory_path: str, limit: str | None = None) -> dict[str, list | str]:
     """{host name: [backup summaries, each with "of": what it is a snapshot of] or an error string}."""
-    from servestack.verify import Unreachable, read_all, targets_from_inventory
-
     targets = targets_from_inventory(inventory_path, limit, action="list backups", local=False)
     values = read_all(targets, lambda target: backup_requests(target.settings))
     results: dict[str, list | str] = {}

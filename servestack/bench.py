@@ -1,4 +1,4 @@
-"""`servestack bench` and the speculation policy's decisions: the controller side (issue 17).
+"""`servestack bench`: the controller side of the speculation benchmark (issue 17).
 
     servestack bench INVENTORY [--limit L] [--runs 10] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
 
@@ -9,16 +9,8 @@ per run the output tokens/s (the whole request) and the decode tokens/s (after t
 the accept length from /server_info. Two configurations: the host's service profile with its
 speculative flags ("speculation") and the same without them ("baseline"), each started through the
 deploy's own health gate, so each is measured on a freshly started server (operations/speculation.py
-does the host side). The host ends in the configuration its policy chooses:
-
-    service_speculation = "on"    speculation          "off"   baseline
-    service_speculation = "auto"  speculation only if its mean beats the baseline's by at least
-                                  service_speculation_min_gain (default 0.02: 2%)
-
-The measurement and the decision are recorded on the host (`<servestack_state_dir>/speculation.json`,
-`make_record`), with a fingerprint of what the service runs (release, patch set, profile, command
-line, environment: `identity_fingerprint`): under "auto" a deploy benchmarks only when that
-fingerprint changed, and otherwise decides from the recorded numbers (`speculation_wanted`).
+does the host side). The host ends in the configuration its policy chooses, and the measurement and
+the decision are recorded on the host (servestack/speculation_policy.py: the policy and the record).
 
 `servestack bench` runs `operations.speculation.bench_now` through pyinfra's CLI (the deploy's lock,
 preflight, health gate and recap), then reads each host's record and prints a table per host, and
@@ -28,47 +20,28 @@ Numbers from the sandbox's stand-in server are SIMULATED, and every output says 
 
 from __future__ import annotations
 
-import base64
-import hashlib
+import importlib.util
 import json
-import shlex
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
+from facts.batch import FactRequest
+from facts.service import ServiceRecord
 from servestack.errors import ConfigError
 from servestack.manifest import PROJECT_ROOT
+from servestack.paths import speculation_record_path
+from servestack.speculation_policy import BASELINE, CONFIGURATIONS, SPECULATION, crossover, decide, gain_of, means
+from servestack.verify import Unreachable, read_all, report_console, split_patterns, targets_from_inventory
 
-CLIENT = PROJECT_ROOT / "files" / "scripts" / "bench-client.py"
-HEREDOC = "__SERVESTACK_BENCH_CLIENT__"
-RECORD_NAME = "speculation.json"
-SCHEMA = 1
-SPECULATION, BASELINE = "speculation", "baseline"
-CONFIGURATIONS = (SPECULATION, BASELINE)
 ON_DEMAND = "operations.speculation.bench_now"   # what `servestack bench` runs with pyinfra
 SIMULATED_NOTICE = ("SIMULATED: these numbers come from the sandbox's stand-in server (its /server_info says "
                     "servestack_standin), not from SGLang on GPUs")
 NOT_APPLICABLE = "n/a"
 
 
-def record_path(settings) -> str:
-    """The host's record of the last measurement and decision."""
-    return f"{settings.servestack_state_dir}/{RECORD_NAME}"
-
-
-# --- the request and the client ------------------------------------------------------------------
-
-def method(settings, runs: int | None = None, concurrency=None) -> dict:
-    """The benchmark's request: the manifest's [service.speculation_benchmark], with `servestack
-    bench`'s --runs and --concurrency; concurrency 1 always (the reference's measure)."""
-    table = settings.manifest.service["speculation_benchmark"]
-    levels = sorted({1, *(concurrency or table["concurrency"])})
-    return {"prompt": table["prompt"], "max_new_tokens": table["max_new_tokens"], "runs": runs or table["runs"],
-            "warmup": table["warmup"], "concurrency": levels, "request_timeout_s": table["request_timeout_s"]}
-
+# --- servestack bench's options -----------------------------------------------------------------
 
 def parse_levels(text: str | None) -> list[int] | None:
     """--concurrency 1,4,16 -> [1, 4, 16]; ConfigError for anything else."""
@@ -81,162 +54,6 @@ def parse_levels(text: str | None) -> list[int] | None:
     if not levels or any(level < 1 or level > 1024 for level in levels):
         raise ConfigError(f"--concurrency {text!r}: expected comma-separated levels from 1 to 1024, like 1,4,16")
     return sorted(set(levels))
-
-
-def client_command(python: str, params: dict) -> str:
-    """`python -I -S - PARAMS` with files/scripts/bench-client.py on stdin (nothing uploaded; stdlib only)."""
-    script = CLIENT.read_text()
-    if HEREDOC in script:
-        raise AssertionError(f"{CLIENT} must not contain {HEREDOC}")
-    encoded = base64.b64encode(json.dumps(params, sort_keys=True).encode()).decode()
-    return f"{shlex.quote(python)} -I -S - {encoded} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
-
-
-# --- what the service runs -----------------------------------------------------------------------
-
-def identity_fingerprint(identity: dict) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
-
-_IDENTITY_WORDS = {"release": "the release", "patchset": "the patch set", "profile": "the service profile",
-                   "launch_module": "the launch module", "arguments": "the server's command line",
-                   "environment": "the service environment"}
-
-
-def what_changed(recorded: dict | None, identity: dict) -> str:
-    """In words, what differs between the identity a record was measured for and `identity`."""
-    if not recorded:
-        return "what the service runs is not in the record"
-    changed = []
-    for key, words in _IDENTITY_WORDS.items():
-        before, now = recorded.get(key), identity.get(key)
-        if before == now:
-            continue
-        changed.append(f"{words} {before} -> {now}" if key in ("release", "profile") else words)
-    return ", ".join(changed) or "what the service runs"
-
-
-# --- decisions -----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Decision:
-    """What a host serves: "speculation" or "baseline", the measured gain (None: not measured), why."""
-
-    configuration: str
-    gain: float | None
-    why: str
-
-    @property
-    def speculation(self) -> bool:
-        return self.configuration == SPECULATION
-
-
-def gain_of(speculation_mean: float, baseline_mean: float) -> float | None:
-    """How much faster speculation is: 0.038 for +3.8%."""
-    if baseline_mean <= 0:
-        return None
-    return speculation_mean / baseline_mean - 1
-
-
-def _numbers(speculation_mean: float, baseline_mean: float, gain: float | None) -> str:
-    shown = "n/a" if gain is None else f"{gain:+.1%}"
-    return f"{speculation_mean:.1f} tok/s with speculation vs {baseline_mean:.1f} without ({shown})"
-
-
-def decide(policy: str, min_gain: float, speculation_mean: float, baseline_mean: float) -> Decision:
-    """The configuration `policy` picks given both configurations' mean output tok/s at concurrency 1."""
-    gain = gain_of(speculation_mean, baseline_mean)
-    numbers = _numbers(speculation_mean, baseline_mean, gain)
-    if policy == "on":
-        return Decision(SPECULATION, gain, f"speculation on (service_speculation = 'on'): {numbers}")
-    if policy == "off":
-        return Decision(BASELINE, gain, f"speculation off (service_speculation = 'off'): {numbers}")
-    wins = speculation_mean > 0 if gain is None else gain >= min_gain
-    if wins:
-        return Decision(SPECULATION, gain, f"speculation kept: {numbers}, at least the {min_gain:+.1%} "
-                                           "service_speculation_min_gain")
-    return Decision(BASELINE, gain, f"speculation off: {numbers}, less than the {min_gain:+.1%} "
-                                    "service_speculation_min_gain: the host serves without speculation")
-
-
-def means(record: dict | None) -> tuple[float, float] | None:
-    """(speculation, baseline) mean output tok/s at concurrency 1 of a record, None when it has none."""
-    try:
-        found = tuple(float(record["configurations"][name]["output_tok_s"]["mean"]) for name in CONFIGURATIONS)
-    except (KeyError, TypeError, ValueError):
-        return None
-    return found  # type: ignore[return-value]
-
-
-def record_decision(policy: str, min_gain: float, record: dict | None) -> Decision | None:
-    found = means(record)
-    return decide(policy, min_gain, *found) if found else None
-
-
-def record_is_current(record: dict | None, fingerprint: str) -> bool:
-    """The record measured what the service runs now (and holds both configurations' numbers)."""
-    return bool(record) and record.get("schema") == SCHEMA and record.get("fingerprint") == fingerprint \
-        and means(record) is not None
-
-
-def speculation_wanted(policy: str, min_gain: float, record: dict | None, fingerprint: str) -> bool:
-    """Whether the unit runs the profile's speculative flags: "on" yes, "off" no; "auto" as the
-    recorded numbers decide when they were measured for what the service runs, else yes (the profile
-    as written, until the deploy's benchmark decides)."""
-    if policy != "auto":
-        return policy == "on"
-    if not record_is_current(record, fingerprint):
-        return True
-    return record_decision(policy, min_gain, record).speculation
-
-
-def benchmark_reason(policy: str, min_gain: float, record: dict | None, identity: dict) -> tuple[bool, str]:
-    """Whether a deploy benchmarks this host now, and why (or why not)."""
-    if policy != "auto":
-        served = "with" if policy == "on" else "without"
-        return False, (f"service_speculation = '{policy}': the unit runs {served} the profile's speculative flags; "
-                       "no benchmark (servestack bench measures on demand)")
-    fingerprint = identity_fingerprint(identity)
-    if not record:
-        return True, "no speculation decision is recorded on the host yet"
-    if record_is_current(record, fingerprint):
-        return False, (f"measured for what the service runs ({_measured(record)}): "
-                       + record_decision(policy, min_gain, record).why)
-    if record.get("fingerprint") == fingerprint:
-        return True, "the record of the last benchmark holds no usable numbers"
-    return True, f"what the service runs changed since the last benchmark: {what_changed(record.get('identity'), identity)}"
-
-
-def _measured(record: dict) -> str:
-    return f"by {record.get('by', '?')} at {record.get('measured_at', '?')}"
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def make_record(identity: dict, policy: str, min_gain: float, results: dict, decision: Decision, *,
-                by: str, run_id: str, request: str | None, method_: dict) -> dict:
-    """What the host keeps (`record_path`): the measurement of both configurations and the decision."""
-    simulated = any((results[name].get("server") or {}).get("standin") for name in CONFIGURATIONS)
-    return {"schema": SCHEMA, "fingerprint": identity_fingerprint(identity), "identity": identity,
-            "policy": policy, "min_gain": min_gain, "decision": decision.configuration, "gain": decision.gain,
-            "why": decision.why, "by": by, "run_id": run_id, "request": request, "measured_at": utc_now(),
-            "simulated": simulated, "method": {key: value for key, value in method_.items() if key != "url"},
-            "configurations": {name: results[name] for name in CONFIGURATIONS}}
-
-
-def crossover(record: dict) -> int | None:
-    """The first concurrency level where speculation no longer beats the baseline (None: never)."""
-    try:
-        levels = {name: {level["concurrency"]: level["tok_s"]["mean"] for level in
-                         record["configurations"][name]["concurrency"]} for name in CONFIGURATIONS}
-    except (KeyError, TypeError):
-        return None
-    for level in sorted(set(levels[SPECULATION]) & set(levels[BASELINE])):
-        if levels[SPECULATION][level] <= levels[BASELINE][level]:
-            return level
-    return None
 
 
 # --- servestack status's column ------------------------------------------------------------------
@@ -378,7 +195,7 @@ def render_tables(reports: dict[str, dict], console) -> None:
 def plot(reports: dict[str, dict], path: str | Path) -> Path:
     """A PNG: per measured host, output tok/s per run at concurrency 1 and aggregate tok/s per
     concurrency, speculation vs baseline."""
-    import matplotlib
+    import matplotlib  # the optional `plot` extra: imported only when a chart is asked for
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -447,14 +264,10 @@ def plot(reports: dict[str, dict], path: str | Path) -> Path:
 # --- servestack bench ----------------------------------------------------------------------------
 
 def plotting_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("matplotlib") is not None
 
 
 def pyinfra_argv(inventory: str, limit: str | None, options: dict) -> list[str]:
-    from servestack.verify import split_patterns
-
     limits = [word for pattern in split_patterns(limit) for word in ("--limit", pattern)]
     return [str(Path(sys.executable).parent / "pyinfra"), "-y", *limits, str(Path(inventory).resolve()),
             ON_DEMAND, json.dumps([[], options])]
@@ -464,10 +277,6 @@ def bench_main(inventory: str, limit: str | None = None, runs: int | None = None
                json_path: str | None = None, plot_path: str | None = None) -> int:
     """Benchmark every host (pyinfra, `operations.speculation.bench_now`), then report from the hosts'
     records; 0 when every host was measured."""
-    from facts.batch import FactRequest
-    from facts.service import ServiceRecord
-    from servestack.verify import Unreachable, read_all, report_console, targets_from_inventory
-
     levels = parse_levels(concurrency)
     if runs is not None and runs < 1:
         raise ConfigError(f"--runs {runs}: expected at least 1")
@@ -478,7 +287,8 @@ def bench_main(inventory: str, limit: str | None = None, runs: int | None = None
     request = f"bench-{uuid.uuid4().hex[:12]}"
     argv = pyinfra_argv(inventory, limit, {"runs": runs, "concurrency": levels, "request": request})
     status = subprocess.run(argv, cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL, stdout=sys.stderr).returncode
-    found = read_all(targets, lambda target: [FactRequest.of(ServiceRecord, path=record_path(target.settings))])
+    found = read_all(targets, lambda target: [FactRequest.of(ServiceRecord,
+                                                              path=speculation_record_path(target.settings))])
     reports = {}
     for target in targets:
         value = found[target.name]

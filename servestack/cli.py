@@ -1,10 +1,5 @@
-"""The `servestack` command: sandbox hosts, the rehearsal, and fleet reports.
+"""The `servestack` command: fleet reports.
 
-    servestack rehearse [--hosts N]                 boot sandbox hosts, dry-run, converge twice, verify
-    servestack sandbox up --hosts N [--gpu MODEL --capability X.Y --driver V] [--user ubuntu]
-    servestack sandbox run -- CMD...                run a command in the sandbox's controller namespace
-    servestack sandbox exec HOST [-- CMD...]        run a command on one sandbox host (a shell without CMD)
-    servestack sandbox down                         remove the sandbox hosts and everything they used
     servestack doctor INVENTORY [--limit L] [--json]   preflight checks as a report; changes nothing
     servestack status INVENTORY [--limit L] [--json]   each host's release, rollback target, last run, service
     servestack verify INVENTORY [--limit L] [--junit FILE]  the verification suite as a per-host table
@@ -29,28 +24,6 @@ from traceback import walk_tb
 from servestack.errors import ConfigError
 
 
-def _sandbox_parser(commands) -> None:
-    sandbox = commands.add_parser("sandbox", help="throwaway GPU-host stand-ins on this machine")
-    actions = sandbox.add_subparsers(dest="action", required=True)
-    up = actions.add_parser("up", help="boot hosts and write an inventory for them")
-    up.add_argument("--hosts", type=int, default=2)
-    up.add_argument("--gpu", default=None, help="GPU model the stand-in nvidia-smi reports")
-    up.add_argument("--capability", default=None, help="compute capability, e.g. 12.0")
-    up.add_argument("--driver", default=None, help="driver version, e.g. 580.82.07")
-    up.add_argument("--gpus", type=int, default=None, help="GPUs per host")
-    up.add_argument("--user", choices=("root", "ubuntu"), default="root",
-                    help="SSH user in the inventory ('ubuntu' uses sudo)")
-    run = actions.add_parser("run", help="run a command in the controller namespace")
-    run.add_argument("argv", nargs=argparse.REMAINDER)
-    exec_ = actions.add_parser("exec", help="run a command on one host")
-    exec_.add_argument("host")
-    exec_.add_argument("argv", nargs=argparse.REMAINDER)
-    actions.add_parser("down", help="remove the hosts, namespaces, mounts and state")
-    actions.add_parser("status", help="show the sandbox's hosts and inventory")
-    for parser in (up, run, exec_, *actions.choices.values()):
-        parser.set_defaults(name=os.environ.get("SERVESTACK_SANDBOX", "default"))
-
-
 def _inventory_parser(commands, name: str, help_text: str):
     parser = commands.add_parser(name, help=help_text)
     parser.add_argument("inventory")
@@ -62,10 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="servestack", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    rehearse = commands.add_parser("rehearse", help="the whole upgrade on sandbox hosts, proven")
-    rehearse.add_argument("--hosts", type=int, default=2)
-    rehearse.add_argument("--keep", action="store_true", help="leave the sandbox running afterwards")
-    _sandbox_parser(commands)
     _inventory_parser(commands, "doctor", "preflight checks as a report").add_argument(
         "--json", action="store_true", dest="as_json")
     _inventory_parser(commands, "status", "each host's releases, last run and service; changes nothing"
@@ -94,7 +63,7 @@ def print_keys(manifest_path: str | None = None) -> int:
     from rich.table import Table
 
     from servestack.manifest import DEFAULT_MANIFEST, PROJECT_ROOT, load_manifest
-    from servestack.settings import host_keys
+    from servestack.keys import host_keys
 
     path = Path(manifest_path).resolve() if manifest_path else DEFAULT_MANIFEST
     manifest = load_manifest(path)
@@ -108,44 +77,6 @@ def print_keys(manifest_path: str | None = None) -> int:
         table.add_row(key.name, "—" if default in (None, (), {}) else str(default), key.help)
     Console().print(table)
     return 0
-
-
-def _strip_separator(argv: list[str]) -> list[str]:
-    return argv[1:] if argv[:1] == ["--"] else argv
-
-
-def _sandbox(args) -> int:
-    from servestack.sandbox.lab import Lab, gpu_spec
-
-    lab = Lab(args.name)
-    if args.action == "up":
-        gpu = gpu_spec(model=args.gpu, capability=args.capability, driver=args.driver, count=args.gpus)
-        lab.up(args.hosts, gpu=gpu, user=args.user)
-        lab.print_status()
-        return 0
-    if args.action == "down":
-        lab.down()
-        return 0
-    if args.action == "status":
-        lab.print_status()
-        return 0
-    problem = _unreachable(lab, args.host if args.action == "exec" else None)
-    if problem:
-        raise ConfigError(problem)
-    if args.action == "run":
-        return lab.run_in_controller(_strip_separator(args.argv))
-    return lab.exec_interactive(args.host, _strip_separator(args.argv))
-
-
-def _unreachable(lab, host: str | None) -> str | None:
-    """Why `sandbox run` / `sandbox exec HOST` cannot reach the sandbox (else ssh or ip netns would say it
-    in their own words: "Could not resolve hostname", "Cannot open network namespace")."""
-    names = [each.name for each in lab.hosts]
-    if not names:
-        return f"sandbox {lab.sandbox.name!r} is not up: `servestack sandbox up --hosts N` starts it"
-    if host is not None and host not in names:
-        return f"sandbox {lab.sandbox.name!r} has no host {host!r}; its hosts: {', '.join(names)}"
-    return None
 
 
 def _fleet_report(args) -> int:
@@ -193,11 +124,6 @@ def _syntax_error_message(error: SyntaxError, filename: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "rehearse":
-            from servestack.rehearse import rehearse
-            return rehearse(hosts=args.hosts, keep=args.keep)
-        if args.command == "sandbox":
-            return _sandbox(args)
         if args.command == "keys":
             return print_keys(args.manifest)
         return _fleet_report(args)

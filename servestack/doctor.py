@@ -19,7 +19,12 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from operations.preflight import CHECKS, Check, evaluate, read_preflight
 from servestack.errors import ConfigError
+from servestack.pyinfra_hooks import import_pyinfra_cli
+from servestack.settings import host_settings
+from servestack.targets import target_problem
+from servestack.verify import _apply_limit, report_console, split_patterns
 
 REPORT_CHECKS = ("settings", "connect")
 
@@ -36,8 +41,6 @@ class HostReport:
 
 def report_for(name: str, settings, facts, error: str | None, connect_error: str | None = None) -> HostReport:
     """A host's checks: settings, connect, then the preflight checks (skipped when they cannot run)."""
-    from operations.preflight import CHECKS, Check, evaluate
-
     checks = []
     if settings is None:
         checks.append(Check("settings", "fail", error or "invalid", (error or "invalid",)))
@@ -69,8 +72,6 @@ _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 def render_table(reports: dict[str, HostReport], console=None) -> None:
     from rich.table import Table
 
-    from servestack.verify import report_console
-
     console = console or report_console()
     table = Table(title="servestack doctor (nothing was changed)", show_lines=False)
     for column in ("host", "check", "status", "detail"):
@@ -90,12 +91,9 @@ def _load(inventory_path: str, limit):
     """A pyinfra State initialised with the inventory; the hosts in the limit."""
     from pyinfra.api import Config, State
     from pyinfra.context import ctx_state
-    from servestack.pyinfra_hooks import import_pyinfra_cli
 
     cli = import_pyinfra_cli()
     CliError, make_inventory = cli.exceptions.CliError, cli.inventory.make_inventory
-
-    from servestack.verify import _apply_limit, split_patterns
 
     if not os.path.isfile(inventory_path):
         raise ConfigError(f"{inventory_path}: inventory file not found")
@@ -113,10 +111,6 @@ def _load(inventory_path: str, limit):
 def _check_host(state, host) -> HostReport:
     from pyinfra.api.exceptions import PyinfraError
     from pyinfra.context import ctx_host, ctx_state
-
-    from operations.preflight import read_preflight
-    from servestack.settings import host_settings
-    from servestack.targets import target_problem
 
     try:
         settings = host_settings(host)

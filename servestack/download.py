@@ -17,15 +17,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
-
-import requests
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from pyinfra.api.exceptions import PyinfraError
 from servestack.hostrun import utc_stamp
 from servestack.manifest import Runfile
 from servestack.scripts import script_command
+
+# requests and rich.progress are imported where a runfile is transferred, not with this module: the
+# toolkit step imports it to compare a runfile's sums, and a deploy that transfers nothing does not
+# load them.
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 CHUNK = 1 << 20
 ATTEMPTS = 5
@@ -83,6 +87,8 @@ def reject(path: Path, reason: str) -> Path:
 
 
 def _progress(enabled: bool) -> Progress:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeRemainingColumn(), transient=True, disable=not enabled)
 
@@ -110,6 +116,8 @@ def _stream_http(url: str, part: Path, expected: int, progress: Progress, sessio
 
 def _arriving(response):
     """The body as it arrives (read1): when the connection is cut, every byte received is kept."""
+    import requests
+
     raw = response.raw
     while True:
         try:
@@ -137,6 +145,8 @@ def _copy_local(url: str, part: Path, expected: int, progress: Progress) -> None
 
 
 def _download(runfile: Runfile, part: Path, progress: Progress, session) -> None:
+    import requests
+
     last_error = None
     for attempt in range(1, ATTEMPTS + 1):
         have = part.stat().st_size if part.exists() else 0
@@ -176,6 +186,8 @@ def fetch_runfile(runfile: Runfile, directory: Path | None = None, *, show_progr
     A cached copy is re-verified before it is returned (once per process while it is unchanged).
     Raises DownloadError, after moving a bad file aside, when verification fails.
     """
+    import requests
+
     directory = Path(directory or cache_dir())
     directory.mkdir(parents=True, exist_ok=True)
     final, part = directory / runfile.file, directory / (runfile.file + ".part")

@@ -267,7 +267,7 @@ def parse_manifest(path: Path, data: dict) -> Manifest:
     """Validate a manifest's parsed TOML; raise ManifestError naming the file and the first bad key.
 
     The [venv] and [service] tables (the latter with its service profiles, [service.profiles."name"])
-    are read as plain tables here: servestack/settings.py checks them against the host-data keys they
+    are read as plain tables here: servestack/keys.py checks them against the host-data keys they
     are the defaults of (`check_manifest_defaults`)."""
     reader = _Reader(path, data)
     reader.only({"schema", "cuda", "gpu", "uv", "indexes", "stacks", "venv", "service"})

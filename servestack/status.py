@@ -4,7 +4,7 @@ For each host of the inventory (group data applied, --limit honoured), from what
 
     active release   what `venv_path` points at, since when (its last activation) and when it was built
     releases         the kept releases (what `venv_rollback_to` takes) and the one rollback.py would
-                     pick (operations/releases.py `rollback_target`, with the host's history), or why
+                     pick (servestack/releases.py `rollback_target`, with the host's history), or why
                      there is none
     last run         the last deploy's activation (releases.json), the run holding or left in the
                      lock, the outcome a run recorded (a health gate that put the service back on
@@ -54,14 +54,15 @@ from facts.host import HostLock, LockState
 from facts.service import GAVE_UP, ServiceRecord, gave_up_text, parse_properties
 from facts.venv import MlEnvState
 from facts.verify import VerificationRecord
-from operations.releases import NoRollbackTarget, rollback_target
 from operations.venv import mlenv_fact_arguments
-from operations.verify import record_path
 from servestack import bench
 from servestack.checks.parse import report
 from servestack.checks.readings import requests as check_requests
 from servestack.hostrun import parse_stamp
+from servestack.paths import speculation_record_path, verification_record_path
+from servestack.releases import NoRollbackTarget, rollback_target
 from servestack.settings import Settings
+from servestack.verify import Unreachable, read_all, report_console, targets_from_inventory
 
 NOT_RECORDED = "not recorded"
 NOT_APPLICABLE = "n/a"
@@ -101,8 +102,8 @@ def status_requests(settings: Settings) -> list[FactRequest]:
     unit, /health only."""
     return [FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings)),
             FactRequest.of(HostLock, state_dir=settings.servestack_state_dir),
-            FactRequest.of(VerificationRecord, path=record_path(settings)),
-            FactRequest.of(ServiceRecord, path=bench.record_path(settings)),
+            FactRequest.of(VerificationRecord, path=verification_record_path(settings)),
+            FactRequest.of(ServiceRecord, path=speculation_record_path(settings)),
             FactRequest.of(UnitTimes, unit=settings.service_name),
             *check_requests(settings, "http", generate=False)]
 
@@ -300,8 +301,6 @@ def service_status(settings: Settings, readings: StatusReadings, now: datetime |
 
 def collect(inventory_path: str, limit: str | None = None) -> dict[str, dict]:
     """{host name: its status}, every host of the inventory (in the limit) read in parallel."""
-    from servestack.verify import Unreachable, read_all, targets_from_inventory
-
     targets = targets_from_inventory(inventory_path, limit, action="read the hosts' status", local=False)
     values = read_all(targets, lambda target: status_requests(target.settings))
     statuses = {}
@@ -428,8 +427,6 @@ def render_table(statuses: dict[str, dict], console) -> None:
 
 def status_main(inventory_path: str, limit: str | None = None, as_json: bool = False) -> int:
     """Print every host's status; 0 when every host was read, else 1."""
-    from servestack.verify import report_console
-
     statuses = collect(inventory_path, limit)
     if as_json:
         print(render_json(statuses))

@@ -120,6 +120,7 @@ from facts.framing import Section, split
 from facts.verify import VerificationRecord
 from operations import patches, preflight, service, toolkit, venv, verify
 from servestack.checks.readings import requests
+from servestack.paths import verification_record_path
 from servestack.verify import targets_from_inventory
 
 inventory, out, summary_path = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
@@ -129,7 +130,7 @@ wanted = {
                        for r in step.host_reads(settings)],
     "verify": [r for group in ("gpu", "toolkit", "kept", "host", "python", "sample")
                for r in requests(settings, group)]
-              + [FactRequest.of(VerificationRecord, path=verify.record_path(settings))],
+              + [FactRequest.of(VerificationRecord, path=verification_record_path(settings))],
 }
 
 

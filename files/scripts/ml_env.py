@@ -239,7 +239,7 @@ def parse_lock(text):
 
 
 def lock_packages(entries):
-    """{name: {"version", "hashes"}} of lock entries: what fixes a stack's hashes (operations/releases.py)."""
+    """{name: {"version", "hashes"}} of lock entries: what fixes a stack's hashes (servestack/releases.py)."""
     return {entry["name"]: {"version": entry["version"], "hashes": sorted(entry["hashes"])} for entry in entries}
 
 

@@ -7,9 +7,9 @@ import json
 from packaging.version import InvalidVersion, Version
 
 from facts.framing import Section
-from facts.service import PATCH_RECORDS
 from facts.toolkit import parse_json_object
 from facts.verify import MARK, HostReport
+from servestack.paths import PATCH_RECORDS
 
 
 def nonblank(section: Section) -> list[str]:

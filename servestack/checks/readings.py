@@ -26,11 +26,19 @@ from typing import Callable
 from facts.batch import FactBatch, FactRequest, batches, section_name
 from facts.framing import Section, split
 from facts.gpu import GpuReport, NvidiaGpus
-from facts.toolkit import CudaToolkits, Fingerprint, LinkChain, ToolkitFingerprint, ToolkitState, Tree
+from facts.toolkit import (
+    CudaToolkits,
+    Fingerprint,
+    LinkChain,
+    ToolkitFingerprint,
+    ToolkitState,
+    Tree,
+    toolkit_fact_arguments,
+)
 from facts.verify import CudaSample, HostReport, PatchCheck, ServiceHttp, VerifyHost, VerifyPython
-from operations.service import GENERATE_REQUEST, check_url, secrets_path
-from operations.toolkit import kept_paths, toolkit_fact_arguments
 from servestack.checks.parse import patch_record_for
+from servestack.paths import kept_paths, patch_record_path, secrets_path
+from servestack.serving import GENERATE_REQUEST, check_url
 from servestack.settings import PINNED_ENV, Settings
 
 GROUPS = ("gpu", "toolkit", "kept", "host", "python", "patches", "sample", "http")
@@ -112,7 +120,7 @@ def requests(settings: Settings, group: str, readings: Readings | None = None, *
                                packages=tuple(package.name for package in settings.packages))]
     if group == "patches":
         if release is not None:
-            return [FactRequest.of(PatchCheck, python=release.python, record_path=f"{release.dir}/patches.json")]
+            return [FactRequest.of(PatchCheck, python=release.python, record_path=patch_record_path(release))]
         host = readings.host if readings else HostReport()
         return [FactRequest.of(PatchCheck, python=venv_python(settings), record_path=patch_record_for(host))]
     if group == "sample":

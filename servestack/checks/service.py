@@ -8,10 +8,12 @@ import re
 
 from facts.service import GAVE_UP, gave_up_text
 from facts.venv import release_of
-from operations.service import GENERATE_REQUEST, release, secrets_path
-from operations.service import service_environment as pinned_environment
 from servestack.checks.outcome import Fail, Skip
 from servestack.checks.parse import report, tail
+from servestack.paths import secrets_path
+from servestack.releases import release_at
+from servestack.serving import GENERATE_REQUEST
+from servestack.serving import service_environment as pinned_environment
 from servestack.settings import Settings
 
 # A digest of the host's patch record: the service step pins it, the checks cannot predict it.
@@ -63,11 +65,11 @@ def _other_toolkit(entry: str, cuda: str) -> bool:
 
 
 def _pinned_for_active_release(settings: Settings, readings) -> dict[str, str] | None:
-    """What the service step pins for the active release (operations/service.py), or None."""
+    """What the service step pins for the active release (servestack/serving.py), or None."""
     release_id = release_of(readings.host.venv_link or "", settings.venv_releases_dir)
     if release_id is None:
         return None
-    expected = dict(pinned_environment(settings, release(settings, release_id), None))
+    expected = dict(pinned_environment(settings, release_at(settings.venv_releases_dir, release_id), None))
     return {name: value for name, value in expected.items()
             if name not in UNPREDICTABLE_ENV and name not in settings.service_secret_env}
 

@@ -3,12 +3,45 @@ untouched, /usr/local/cuda points where policy says, and code it compiles runs o
 
 from __future__ import annotations
 
+from packaging.version import InvalidVersion, Version
+
 from facts.toolkit import Fingerprint, LinkChain
-from facts.toolkit import record_path as toolkits_record_path
-from operations.toolkit import kept_paths, version_json_problem
 from servestack.checks.outcome import Fail
 from servestack.checks.parse import nonblank, package_owner, packaged_release, sample_flags, sample_results
+from servestack.paths import kept_paths, toolkits_record_path
 from servestack.settings import Settings
+
+
+def _is_date_stamp(version: str) -> bool:
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return False
+    return len(release) >= 3 and release[2] >= 10000
+
+
+def version_json_problem(settings: Settings, version_json: dict) -> str | None:
+    """Why a version.json is not the manifest's toolkit, or None: the toolkit step's judgement and the check's.
+
+    `cuda_nvcc.version` must be the manifest's nvcc version; `cuda.version` must be the
+    manifest's version, except that a date stamp (12.6.20241114, seen in runfile installs) only
+    has to share its major.minor.
+    """
+    cuda = settings.manifest.cuda
+    nvcc = (version_json.get("cuda_nvcc") or {}).get("version")
+    if nvcc != cuda["nvcc_version"]:
+        return f"version.json says cuda_nvcc {nvcc}, expected {cuda['nvcc_version']}"
+    sdk = (version_json.get("cuda") or {}).get("version")
+    if sdk is None:
+        return "version.json has no cuda.version"
+    wanted = settings.cuda_version
+    if _is_date_stamp(sdk):
+        release = Version(wanted).release
+        if not sdk.startswith(f"{release[0]}.{release[1]}."):
+            return f"version.json says CUDA {sdk}, expected {wanted}"
+    elif sdk != wanted:
+        return f"version.json says CUDA {sdk}, expected {wanted}"
+    return None
 
 
 def _existing_tree(settings: Settings, readings):

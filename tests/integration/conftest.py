@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from servestack.sandbox import Sandbox, ensure_rootfs
-from servestack.sandbox.hosts import PostBoot, PreBoot
+from sandbox import Sandbox, ensure_rootfs
+from sandbox.hosts import PostBoot, PreBoot
 
 REQUIRED_TOOLS = ("debootstrap", "systemd-nspawn", "unshare", "ip", "ssh", "ssh-keygen", "zstd")
 # Set by .ci/run: integration tests that cannot run there are errors, not skips (a green CI run converged hosts).
@@ -51,7 +51,7 @@ REPOSITORY_LOCKS = Path(__file__).resolve().parents[2] / "files" / "locks"
 
 @pytest.fixture(scope="session", autouse=True)
 def repository_stack_hashes_untouched() -> Iterator[None]:
-    """Sandbox deploys fix their stand-in wheels' hashes in the sandbox's own folder (servestack/sandbox/hosts.py),
+    """Sandbox deploys fix their stand-in wheels' hashes in the sandbox's own folder (sandbox/hosts.py),
     never in the repository's `files/locks`, which holds real fleets' hashes."""
     before = sorted(REPOSITORY_LOCKS.glob("*")) if REPOSITORY_LOCKS.exists() else []
     yield
@@ -151,7 +151,7 @@ def lab(sandbox_rootfs: Path, sandbox_name: Callable[[str], str], made: Made) ->
     `lab.inventory_path` is a pyinfra inventory for them; run pyinfra in the controller
     namespace (`lab.controller_argv(argv)`, or the `run_pyinfra` helper in tests/integration/pyinfra_run.py).
     """
-    from servestack.sandbox.lab import Lab
+    from sandbox.lab import Lab
 
     def make(n: int = 1, **kwargs) -> Lab:
         the_lab = made.add(Lab(sandbox_name("l"), rootfs=sandbox_rootfs))

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from pyinfra_run import PYINFRA, ROOT, apply, run_pyinfra
-from servestack.sandbox.lab import STANDIN_SERVER_DIR
-from servestack.sandbox.standins.wheels import FLASHINFER_IMPORT_HOLD
+from sandbox.lab import STANDIN_SERVER_DIR
+from sandbox.standins.wheels import FLASHINFER_IMPORT_HOLD
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from servestack.sandbox.standins.nvidia_smi import Gpu
+from sandbox.standins.nvidia_smi import Gpu
 from toolkit_lab import REPO
 
 pytestmark = pytest.mark.integration

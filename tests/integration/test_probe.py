@@ -17,8 +17,8 @@ import pytest
 from facts.batch import section_name
 from facts.framing import BEGIN
 from facts.toolkit import toolkits_command
-from operations.toolkit import kept_paths, runfile_candidates
 from pyinfra_run import ROOT, apply, run_pyinfra
+from servestack.paths import kept_paths, runfile_candidates
 from servestack.settings import host_settings
 from servestack.verify import load_inventory
 

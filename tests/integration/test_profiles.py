@@ -8,8 +8,8 @@ import json
 import pytest
 
 from pyinfra_run import apply
+from sandbox.rehearse import Outcome, assign_profiles, profile_names, server_info, verify
 from servestack.manifest import load_manifest
-from servestack.rehearse import Outcome, assign_profiles, profile_names, server_info, verify
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The quick start's main job: `servestack rehearse` on sandbox hosts, end to end, as a user runs it."""
+"""The quick start's main job: `./servestack.sh rehearse` on sandbox hosts, end to end, as a user runs it."""
 
 import os
 import re
@@ -11,13 +11,13 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVESTACK = str(Path(sys.executable).parent / "servestack")
+REHEARSE = [sys.executable, "-m", "sandbox", "rehearse"]   # what ./servestack.sh rehearse runs
 
 
 def test_rehearse_dry_runs_converges_twice_and_verifies(sandbox_rootfs, tmp_path):
     """Two hosts: one of each service profile (the manifest's two), each serving its own."""
     env = {**os.environ, "SERVESTACK_SANDBOX_DIR": str(tmp_path)}
-    result = subprocess.run([SERVESTACK, "rehearse", "--hosts", "2"], cwd=ROOT, env=env,
+    result = subprocess.run([*REHEARSE, "--hosts", "2"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=1200)
     last = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stderr[-4000:] + last

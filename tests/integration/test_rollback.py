@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 UNIT = "/etc/systemd/system/sglang.service"
 GATE_RECORD = "/var/lib/servestack/service/sglang.service.json"   # operations/service.py record_path
 SPECULATION_RECORD = "/var/lib/servestack/speculation.json"
-STANDIN_DIR = "/opt/servestack-sandbox-standins"                  # servestack/sandbox/lab.py STANDIN_SERVER_DIR
+STANDIN_DIR = "/opt/servestack-sandbox-standins"                  # sandbox/lab.py STANDIN_SERVER_DIR
 PORT = MANIFEST.service["port"]
 
 

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from servestack.sandbox import hosts as hosts_module
-from servestack.sandbox.hosts import NSPAWN_PROPAGATE
-from servestack.sandbox import SUDO_USER, AddressCollision, Host, Sandbox, SandboxError
-from servestack.sandbox import cgroups, network, rootfs
-from servestack.sandbox.lab import Lab
-from servestack.sandbox.network import POOL, UsedNetwork, choose_links, parse_resolvers, parse_routes
+from sandbox import hosts as hosts_module
+from sandbox.hosts import NSPAWN_PROPAGATE
+from sandbox import SUDO_USER, AddressCollision, Host, Sandbox, SandboxError
+from sandbox import cgroups, network, rootfs
+from sandbox.lab import Lab
+from sandbox.network import POOL, UsedNetwork, choose_links, parse_resolvers, parse_routes
 
 REPO = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
-SERVESTACK = Path(sys.executable).with_name("servestack")
+SANDBOX_CLI = [sys.executable, "-m", "sandbox"]   # what ./servestack.sh sandbox runs
 MARKER = "etc/servestack-pre-boot"
 
 integration = pytest.mark.integration
@@ -148,7 +148,7 @@ def test_overlays_stay_out_of_the_machine_mount_table_and_pristine_tree(booted, 
 @integration
 def test_another_process_can_exec_and_read_the_state(booted):
     script = f"""
-        from servestack.sandbox import Sandbox
+        from sandbox import Sandbox
         sb = Sandbox({booted.name!r}, state_dir={str(booted.state_dir)!r})
         print(sb.exec("h2", "hostname", check=True).stdout.strip())
     """
@@ -294,7 +294,7 @@ def test_down_from_fresh_process_after_crash_in_up(sandbox_rootfs, sandbox_name)
     script = f"""
         import os
         from pathlib import Path
-        from servestack.sandbox import Sandbox
+        from sandbox import Sandbox
         def crash_on_h2(host, root):
             if host.name == "h2":
                 os._exit(3)
@@ -313,7 +313,7 @@ def test_sandboxes_run_side_by_side_and_hosts_outlive_their_process(booted, sand
     name = sandbox_name("cli")
     script = f"""
         from pathlib import Path
-        from servestack.sandbox import Sandbox
+        from sandbox import Sandbox
         Sandbox({name!r}, rootfs=Path({str(sandbox_rootfs)!r})).up(1)
     """
     run_python(script)
@@ -332,12 +332,12 @@ def test_sandboxes_run_side_by_side_and_hosts_outlive_their_process(booted, sand
 
 # README.md's "Sandbox commands", verbatim: the sandbox is "default" there, named by SERVESTACK_SANDBOX here.
 README_COMMANDS = {
-    "up": '.venv/bin/servestack sandbox up --hosts 3 [--gpu "NVIDIA H200" --capability 9.0 --driver 580.159.04] '
+    "up": './servestack.sh sandbox up --hosts 3 [--gpu "NVIDIA H200" --capability 9.0 --driver 580.159.04] '
           '[--user ubuntu]',
-    "run": ".venv/bin/servestack sandbox run -- .venv/bin/pyinfra /var/tmp/servestack-sandbox/default/inventory.py "
+    "run": "./servestack.sh sandbox run -- .venv/bin/pyinfra /var/tmp/servestack-sandbox/default/inventory.py "
            "deploy.py --dry --diff",
-    "exec": ".venv/bin/servestack sandbox exec h1 -- systemctl status",
-    "down": ".venv/bin/servestack sandbox down",
+    "exec": "./servestack.sh sandbox exec h1 -- systemctl status",
+    "down": "./servestack.sh sandbox down",
 }
 
 
@@ -347,7 +347,7 @@ def test_the_readme_shows_the_sandbox_commands_tested_here():
 
 
 class CliSandbox:
-    """A sandbox the `servestack sandbox` commands made, for the session's teardown: taken down as a fresh
+    """A sandbox the `./servestack.sh sandbox` commands made, for the session's teardown: taken down as a fresh
     process would (nothing to do once `sandbox down` removed it)."""
 
     def __init__(self, name: str):
@@ -361,11 +361,11 @@ def readme_command(action: str, name: str) -> subprocess.CompletedProcess[str]:
     """README's `action` command, with the optional parts it shows, for the sandbox `name`."""
     text = README_COMMANDS[action].replace("[", "").replace("]", "")
     argv = shlex.split(text.replace("/servestack-sandbox/default/", f"/servestack-sandbox/{name}/"))
-    return sandbox_cli(argv[1:], name)
+    return sandbox_cli(argv[2:], name)
 
 
 def sandbox_cli(args: list[str], name: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(SERVESTACK), *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+    return subprocess.run([*SANDBOX_CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL, env={**os.environ, "SERVESTACK_SANDBOX": name})
 
 
@@ -398,7 +398,7 @@ def test_the_readme_sandbox_commands_up_run_exec_down(sandbox_rootfs, sandbox_na
     assert status.returncode == 0, status.stdout + status.stderr
     assert status.stdout.startswith("● h1\n"), status.stdout[:400]
     assert re.search(r"State: (running|degraded)", status.stdout), status.stdout[:400]
-    unknown = sandbox_cli(["sandbox", "exec", "host1", "--", "true"], name)
+    unknown = sandbox_cli(["exec", "host1", "--", "true"], name)
     assert unknown.returncode == 2
     assert unknown.stderr.strip() == f"servestack: sandbox '{name}' has no host 'host1'; its hosts: h1, h2, h3"
 
@@ -407,7 +407,7 @@ def test_the_readme_sandbox_commands_up_run_exec_down(sandbox_rootfs, sandbox_na
     assert down.returncode == 0, down.stdout + down.stderr
     assert leftovers(lab.sandbox, names) == []
     assert live_processes_mentioning(str(lab.state_dir)) == []                         # the artifact server too
-    gone = sandbox_cli(["sandbox", "exec", "h1", "--", "true"], name)
+    gone = sandbox_cli(["exec", "h1", "--", "true"], name)
     assert gone.returncode == 2 and f"sandbox '{name}' is not up" in gone.stderr
 
 
@@ -444,7 +444,7 @@ def test_concurrent_processes_extract_the_rootfs_once(sandbox_rootfs, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     os.link(rootfs.tarball_path(key), cache / rootfs.tarball_path(key).name)
-    script = "from servestack.sandbox import ensure_rootfs; print(ensure_rootfs())"
+    script = "from sandbox import ensure_rootfs; print(ensure_rootfs())"
     env = {**os.environ, "PYTHONPATH": str(REPO), "SERVESTACK_SANDBOX_CACHE": str(cache)}
     procs = [
         subprocess.Popen(

@@ -2,7 +2,7 @@
 
 Sandbox hosts cannot run SGLang: each test builds small releases by hand (a venv per release
 under the releases dir, as the venv step lays them out) holding the stand-in server
-`servestack/sandbox/standins/fake_sglang_server.py`, and sets `service_launch_module` to it. A release is made
+`sandbox/standins/fake_sglang_server.py`, and sets `service_launch_module` to it. A release is made
 broken by a mode file in its venv, which the stand-in reads. The deploy run is the service step
 alone (`service.sglang_service(release)`, as deploy.py calls it), given the release the test activated.
 """
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from servestack.sandbox import SUDO_USER, Sandbox, cgroups
-from servestack.sandbox import hosts as sandbox_hosts
+from sandbox import SUDO_USER, Sandbox, cgroups
+from sandbox import hosts as sandbox_hosts
 from tests.integration.pyinfra_run import apply, dry_run
 
 REPO = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
-STANDIN = REPO / "servestack" / "sandbox" / "standins" / "fake_sglang_server.py"
+STANDIN = REPO / "sandbox" / "standins" / "fake_sglang_server.py"
 RELEASES = "/opt/servestack/releases"
 UNIT = "/etc/systemd/system/sglang.service"
 PORT = 30000

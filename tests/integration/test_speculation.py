@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from pyinfra_run import PyinfraRun, apply, dry_run, run_pyinfra, small_benchmark_manifest
-from servestack.rehearse import server_info
-from servestack.sandbox.lab import STANDIN_SERVER_DIR
+from sandbox.lab import STANDIN_SERVER_DIR
+from sandbox.rehearse import server_info
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = "/var/lib/servestack/speculation.json"

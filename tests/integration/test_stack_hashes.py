@@ -3,7 +3,7 @@ machine, and a later host whose index serves other bytes under the same file nam
 
 Two sandbox hosts of one lab. h1 converges from the lab's indexes and so fixes the stack's hashes (in the
 sandbox's own `stack_locks_dir`). h2 is pointed at a mirror of the torch index whose torch wheel has the same
-name, version and file name but other bytes (servestack/sandbox/standins/wheels.py `other_bytes_wheel`).
+name, version and file name but other bytes (sandbox/standins/wheels.py `other_bytes_wheel`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import json
 import pytest
 
 from pyinfra_run import run_pyinfra
-from servestack.sandbox.standins.index import write_simple_index
-from servestack.sandbox.standins.wheels import other_bytes_wheel
+from sandbox.standins.index import write_simple_index
+from sandbox.standins.wheels import other_bytes_wheel
 
 pytestmark = pytest.mark.integration
 ACTIVE = "readlink /opt/ml-env; python=/opt/ml-env/bin/python; $python -c 'import torch; print(torch.__file__)'"

@@ -12,12 +12,12 @@ import shlex
 import pytest
 
 from pyinfra_run import apply, dry_run, run_pyinfra
+from sandbox.lab import sandbox_manifest
+from sandbox.rehearse import assign_profiles
+from sandbox.standins import closure
+from sandbox.standins.index import NEWER
+from sandbox.standins.wheels import build_wheel, standin_wheel
 from servestack.manifest import load_manifest
-from servestack.rehearse import assign_profiles
-from servestack.sandbox.lab import sandbox_manifest
-from servestack.sandbox.standins import closure
-from servestack.sandbox.standins.index import NEWER
-from servestack.sandbox.standins.wheels import build_wheel, standin_wheel
 
 pytestmark = pytest.mark.integration
 

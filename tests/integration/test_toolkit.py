@@ -42,8 +42,8 @@ import time
 import pytest
 
 from facts.host import take_lock_command
-from servestack.sandbox.standins.nvidia_smi import Gpu
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from sandbox.standins.nvidia_smi import Gpu
+from sandbox.standins.toolkit import write_toolkit_tree
 from toolkit_lab import CACHE, INSTALL, KEPT
 
 pytestmark = pytest.mark.integration

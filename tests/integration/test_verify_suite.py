@@ -135,7 +135,7 @@ EXPECTED_FAILURE = {"torch_label": "package_version[torch]", "patched_file": "pa
 
 
 # sandbox hosts cannot run SGLang: the lab's host data has the unit start the stand-in server of
-# servestack/sandbox/standins (service_launch_module, on the service's PYTHONPATH), so the real
+# sandbox/standins (service_launch_module, on the service's PYTHONPATH), so the real
 # deploy.py converges them
 LAB_DATA = {"service_health_timeout_s": 120}
 

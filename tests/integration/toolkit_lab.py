@@ -1,4 +1,4 @@
-"""The lab (servestack.sandbox.lab) plus what the toolkit tests need on top of it:
+"""The lab (sandbox.lab) plus what the toolkit tests need on top of it:
 
 - a second artifact server (same controller namespace, port 18090) serving copies of the
   stand-in runfile in every mode (normal, repoint, fail_midway, broken_nvcc), one copy per
@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandbox.lab import Lab
+from sandbox.standins.build import mirror_path
+from sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
+from sandbox.standins.runfile import build_runfile, runfile_info
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
-from servestack.sandbox.lab import Lab
-from servestack.sandbox.standins.build import mirror_path
-from servestack.sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
-from servestack.sandbox.standins.runfile import build_runfile, runfile_info
 
 REPO = Path(__file__).resolve().parents[2]
 PYINFRA = str(Path(sys.executable).with_name("pyinfra"))
@@ -176,7 +176,7 @@ class ToolkitLab:
         assert result.returncode == 0, result.stderr
 
     def server_call(self, method: str, *args, **kwargs):
-        code = (f"import json; from servestack.sandbox.artifacts import ArtifactControl as C; "
+        code = (f"import json; from sandbox.artifacts import ArtifactControl as C; "
                 f"print(json.dumps(C('http://127.0.0.1:{PORT}').{method}(*{args!r}, **{kwargs!r})))")
         out = subprocess.run(self.lab.controller_argv([sys.executable, "-c", code]), cwd=REPO,
                              check=True, capture_output=True, text=True).stdout
@@ -188,7 +188,7 @@ class ToolkitLab:
     def start_server(self) -> None:
         serve = self.root / "serve"
         serve.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "servestack.sandbox.artifacts", "--root", str(serve), "--bind", "0.0.0.0",
+        argv = [sys.executable, "-m", "sandbox.artifacts", "--root", str(serve), "--bind", "0.0.0.0",
                 "--port", str(PORT), "--log", str(self.root / "requests.log")]
         self.server = subprocess.Popen(self.lab.controller_argv(argv), cwd=REPO, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,7 +1,7 @@
 """Sandbox hosts dressed as pre-upgrade GPU hosts (a hand-made +cu128 /opt/ml-env), an artifact
 server with the stand-in indexes in the controller namespace, and a pyinfra runner.
 
-Used by test_venv.py and test_rollback.py until servestack/sandbox/lab.py provides the same.
+Used by test_venv.py and test_rollback.py until sandbox/lab.py provides the same.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandbox.standins.build import ArtifactSet, build_artifacts
+from sandbox.standins.host import dress_gpu_host
 from servestack.manifest import load_manifest
-from servestack.sandbox.standins.build import ArtifactSet, build_artifacts
-from servestack.sandbox.standins.host import dress_gpu_host
 
 REPO = Path(__file__).resolve().parents[2]
 PYINFRA = Path(sys.executable).with_name("pyinfra")
@@ -112,7 +112,7 @@ def start_lab(sandbox_factory, artifacts_dir: Path | None = None, hosts: int = 1
     artifacts = artifacts_once(artifacts_dir)
     sb = sandbox_factory(hosts, pre_boot=lambda host, root: dress_gpu_host(root, with_cuda_128=False))
     log = artifacts_dir.parent / f"artifact-server-{sb.name}.log"
-    server = subprocess.Popen(sb.controller_cmd([sys.executable, "-m", "servestack.sandbox.artifacts", "--root",
+    server = subprocess.Popen(sb.controller_cmd([sys.executable, "-m", "sandbox.artifacts", "--root",
                                                  str(artifacts.root), "--bind", "0.0.0.0", "--port", str(PORT),
                                                  "--log", str(log)]), cwd=REPO)
     lab = VenvLab(sb, artifacts, server)

@@ -17,8 +17,8 @@ from servestack.manifest import load_manifest
 def sglang_python(version: str) -> Path:
     """The python of a venv holding sglang `version`'s stack as the sandbox serves it: the real sglang and
     what it imports before GPU work, the stand-ins of the rest (no GPU)."""
-    from servestack.sandbox.standins.build import stack_wheels
-    from servestack.sandbox.standins.wheels import build_wheel, standin_wheel
+    from sandbox.standins.build import stack_wheels
+    from sandbox.standins.wheels import build_wheel, standin_wheel
     stack = next(stack for stack in load_manifest().stacks.values() if stack.package("sglang").version == version)
     work = Path(tempfile.mkdtemp(prefix=f"sglang-{version}-"))
     uv = shutil.which("uv") or pytest.fail("uv is not on PATH: run the tests through ./servestack.sh test")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from servestack.sandbox.standins.closure import host_environment
-from servestack.sandbox.standins.index import normalize_project
-from servestack.sandbox.standins.wheels import build_wheel, standin_wheel
+from sandbox.standins.closure import host_environment
+from sandbox.standins.index import normalize_project
+from sandbox.standins.wheels import build_wheel, standin_wheel
 
 
 def _version_for(requirement: Requirement) -> str:

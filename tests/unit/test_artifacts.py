@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from servestack.sandbox.artifacts import ArtifactControl, ArtifactServer, Fault, parse_range
-from servestack.sandbox.standins.index import write_simple_index
-from servestack.sandbox.standins.wheels import build_wheel, standin_wheel
+from sandbox.artifacts import ArtifactControl, ArtifactServer, Fault, parse_range
+from sandbox.standins.index import write_simple_index
+from sandbox.standins.wheels import build_wheel, standin_wheel
 from tests.unit.standin_closure import build_with_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +195,7 @@ def test_uv_installs_through_the_server_once_per_file(server, root, tmp_path):
 
 
 def test_runs_as_a_module_and_stops_on_sigterm(root, tmp_path):
-    process = subprocess.Popen([sys.executable, "-m", "servestack.sandbox.artifacts", "--root", root,
+    process = subprocess.Popen([sys.executable, "-m", "sandbox.artifacts", "--root", root,
                                 "--bind", "127.0.0.1", "--port", "0", "--log", tmp_path / "cli.log"],
                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

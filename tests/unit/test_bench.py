@@ -23,17 +23,30 @@ from pyinfra.context import ctx_host, ctx_state
 
 from facts.batch import FactRequest
 from operations import service, speculation
+from sandbox.standins import fake_sglang_server as standin
 from servestack import bench, reads, status
 from servestack.cli import build_parser
 from servestack.errors import ConfigError
 from servestack.hostrun import Reason, reasons
-from servestack.sandbox.standins import fake_sglang_server as standin
 from servestack.settings import settings_from_data
+from servestack.speculation_policy import (
+    BASELINE,
+    CONFIGURATIONS,
+    SPECULATION,
+    benchmark_reason,
+    crossover,
+    decide,
+    identity_fingerprint,
+    make_record,
+    means,
+    record_is_current,
+    speculation_wanted,
+)
 from servestack.verify import report_console
 from tests.unit.fake_host import fake_state, run_here
 
 RELEASE_ID = "r-0123456789ab"
-CLIENT_PATH = Path(bench.CLIENT)
+CLIENT_PATH = Path(speculation.CLIENT)
 SPECULATIVE = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
                "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
 
@@ -66,7 +79,7 @@ class LocalServer:
     def start(self, config: str) -> None:
         self.stop()
         argv = ["--model-path", "m", "--host", "127.0.0.1", "--port", str(self.port)]
-        argv += SPECULATIVE if config == bench.SPECULATION else []
+        argv += SPECULATIVE if config == SPECULATION else []
         self.server = standin.FakeServer(standin.parse(argv), "ok", 0, argv, self.throughput)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -112,20 +125,20 @@ def params(url: str, **overrides) -> dict:
     ("off", 120.0, 92.6, "baseline"),
 ])
 def test_the_policy_decides_from_both_means(policy, spec, base, chosen):
-    decision = bench.decide(policy, 0.02, spec, base)
+    decision = decide(policy, 0.02, spec, base)
     assert decision.configuration == chosen
     assert decision.gain == pytest.approx(spec / base - 1)
     assert f"{spec:.1f} tok/s with speculation vs {base:.1f} without" in decision.why
 
 
 def test_the_decision_says_both_numbers_and_the_threshold():
-    kept = bench.decide("auto", 0.02, 96.1, 92.6)
+    kept = decide("auto", 0.02, 96.1, 92.6)
     assert kept.why == ("speculation kept: 96.1 tok/s with speculation vs 92.6 without (+3.8%), at least the "
                         "+2.0% service_speculation_min_gain")
-    dropped = bench.decide("auto", 0.05, 96.1, 92.6)
+    dropped = decide("auto", 0.05, 96.1, 92.6)
     assert dropped.why.startswith("speculation off: 96.1 tok/s with speculation vs 92.6 without (+3.8%), less "
                                   "than the +5.0% service_speculation_min_gain: the host serves without speculation")
-    assert bench.decide("auto", 0.02, 10.0, 0.0).configuration == "speculation"  # a baseline that decoded nothing
+    assert decide("auto", 0.02, 10.0, 0.0).configuration == "speculation"  # a baseline that decoded nothing
 
 
 def identity(release: str = RELEASE_ID, **changes) -> dict:
@@ -134,10 +147,10 @@ def identity(release: str = RELEASE_ID, **changes) -> dict:
 
 
 def record_for(ident: dict, spec: float, base: float, **extra) -> dict:
-    results = {bench.SPECULATION: result(spec, accept=2.4), bench.BASELINE: result(base)}
-    decision = bench.decide("auto", 0.02, spec, base)
-    made = bench.make_record(ident, "auto", 0.02, results, decision, by="deploy", run_id="run-1", request=None,
-                             method_={"runs": 3, "url": "http://127.0.0.1:30000"})
+    results = {SPECULATION: result(spec, accept=2.4), BASELINE: result(base)}
+    decision = decide("auto", 0.02, spec, base)
+    made = make_record(ident, "auto", 0.02, results, decision, by="deploy", run_id="run-1", request=None,
+                       method_={"runs": 3, "url": "http://127.0.0.1:30000"})
     return {**made, **extra}
 
 
@@ -155,61 +168,61 @@ def result(mean: float, accept: float | None = None, standin: bool = True, level
 
 def test_auto_serves_the_recorded_decision_only_for_what_was_measured():
     current = identity()
-    fingerprint = bench.identity_fingerprint(current)
+    fingerprint = identity_fingerprint(current)
     losing = record_for(current, 80.0, 92.6)
-    assert bench.speculation_wanted("auto", 0.02, losing, fingerprint) is False
-    assert bench.speculation_wanted("auto", 0.02, record_for(current, 96.1, 92.6), fingerprint) is True
+    assert speculation_wanted("auto", 0.02, losing, fingerprint) is False
+    assert speculation_wanted("auto", 0.02, record_for(current, 96.1, 92.6), fingerprint) is True
     # measured for another release, or nothing measured yet: the profile as written until the benchmark decides
-    other = bench.identity_fingerprint(identity("r-ba9876543210"))
-    assert bench.speculation_wanted("auto", 0.02, losing, other) is True
-    assert bench.speculation_wanted("auto", 0.02, None, fingerprint) is True
+    other = identity_fingerprint(identity("r-ba9876543210"))
+    assert speculation_wanted("auto", 0.02, losing, other) is True
+    assert speculation_wanted("auto", 0.02, None, fingerprint) is True
     # a different min gain decides from the recorded numbers, without measuring again
-    assert bench.speculation_wanted("auto", 0.0, record_for(current, 93.0, 92.6), fingerprint) is True
-    assert bench.speculation_wanted("auto", 0.01, record_for(current, 93.0, 92.6), fingerprint) is False
-    assert bench.speculation_wanted("on", 0.02, losing, fingerprint) is True
-    assert bench.speculation_wanted("off", 0.02, record_for(current, 200.0, 92.6), fingerprint) is False
+    assert speculation_wanted("auto", 0.0, record_for(current, 93.0, 92.6), fingerprint) is True
+    assert speculation_wanted("auto", 0.01, record_for(current, 93.0, 92.6), fingerprint) is False
+    assert speculation_wanted("on", 0.02, losing, fingerprint) is True
+    assert speculation_wanted("off", 0.02, record_for(current, 200.0, 92.6), fingerprint) is False
 
 
 def test_a_benchmark_runs_only_under_auto_when_what_the_service_runs_changed():
     current = identity()
-    needed, why = bench.benchmark_reason("auto", 0.02, None, current)
+    needed, why = benchmark_reason("auto", 0.02, None, current)
     assert needed and why == "no speculation decision is recorded on the host yet"
-    needed, why = bench.benchmark_reason("auto", 0.02, record_for(current, 96.1, 92.6), current)
+    needed, why = benchmark_reason("auto", 0.02, record_for(current, 96.1, 92.6), current)
     assert not needed and why.startswith("measured for what the service runs (by deploy at ")
     assert "speculation kept: 96.1 tok/s with speculation vs 92.6 without (+3.8%)" in why
     old = record_for(identity("r-ba9876543210", arguments=["--model-path", "other"]), 96.1, 92.6)
-    needed, why = bench.benchmark_reason("auto", 0.02, old, current)
+    needed, why = benchmark_reason("auto", 0.02, old, current)
     assert needed and why == ("what the service runs changed since the last benchmark: the release r-ba9876543210 "
                               f"-> {RELEASE_ID}, the server's command line")
     broken = {**record_for(current, 96.1, 92.6), "configurations": {}}
-    assert bench.benchmark_reason("auto", 0.02, broken, current) == (
+    assert benchmark_reason("auto", 0.02, broken, current) == (
         True, "the record of the last benchmark holds no usable numbers")
     for policy in ("on", "off"):
-        needed, why = bench.benchmark_reason(policy, 0.02, None, current)
+        needed, why = benchmark_reason(policy, 0.02, None, current)
         assert not needed and why.startswith(f"service_speculation = '{policy}': the unit runs")
         assert "servestack bench measures on demand" in why
 
 
 def test_the_record_keeps_both_configurations_the_decision_and_what_was_measured():
     made = record_for(identity(), 96.1, 92.6)
-    assert made["fingerprint"] == bench.identity_fingerprint(identity()) and made["identity"] == identity()
+    assert made["fingerprint"] == identity_fingerprint(identity()) and made["identity"] == identity()
     assert (made["decision"], made["policy"], made["min_gain"], made["by"]) == ("speculation", "auto", 0.02, "deploy")
     assert made["simulated"] is True and "url" not in made["method"]
-    assert bench.means(made) == (96.1, 92.6)
-    assert bench.record_is_current(made, made["fingerprint"]) and not bench.record_is_current(made, "other")
-    real = bench.make_record(identity(), "on", 0.02, {bench.SPECULATION: result(96.1, standin=False),
-                                                      bench.BASELINE: result(92.6, standin=False)},
-                             bench.decide("on", 0.02, 96.1, 92.6), by="bench", run_id="r", request="q", method_={})
+    assert means(made) == (96.1, 92.6)
+    assert record_is_current(made, made["fingerprint"]) and not record_is_current(made, "other")
+    real = make_record(identity(), "on", 0.02, {SPECULATION: result(96.1, standin=False),
+                                                BASELINE: result(92.6, standin=False)},
+                       decide("on", 0.02, 96.1, 92.6), by="bench", run_id="r", request="q", method_={})
     assert real["simulated"] is False and real["request"] == "q"
 
 
 def test_the_crossover_is_the_first_level_where_speculation_no_longer_wins():
     made = record_for(identity(), 96.1, 92.6)
-    made["configurations"][bench.SPECULATION] = result(96.1, levels=((1, 96.1), (4, 330.0), (16, 700.0)))
-    made["configurations"][bench.BASELINE] = result(92.6, levels=((1, 92.6), (4, 320.0), (16, 880.0)))
-    assert bench.crossover(made) == 16
-    made["configurations"][bench.BASELINE] = result(92.6, levels=((1, 92.6), (4, 320.0), (16, 690.0)))
-    assert bench.crossover(made) is None
+    made["configurations"][SPECULATION] = result(96.1, levels=((1, 96.1), (4, 330.0), (16, 700.0)))
+    made["configurations"][BASELINE] = result(92.6, levels=((1, 92.6), (4, 320.0), (16, 880.0)))
+    assert crossover(made) == 16
+    made["configurations"][BASELINE] = result(92.6, levels=((1, 92.6), (4, 320.0), (16, 690.0)))
+    assert crossover(made) is None
 
 
 def test_what_the_service_runs_names_the_release_patches_profile_line_and_environment():
@@ -272,11 +285,11 @@ def test_the_settings_declare_the_policy_keys():
 def test_the_benchmark_request_comes_from_the_manifest():
     s = settings()
     table = s.manifest.service["speculation_benchmark"]
-    found = bench.method(s)
+    found = speculation.method(s)
     assert (found["prompt"], found["max_new_tokens"], found["runs"]) == (table["prompt"], table["max_new_tokens"],
                                                                         table["runs"])
-    assert bench.method(s, runs=3, concurrency=[16, 4])["concurrency"] == [1, 4, 16]
-    assert bench.method(s, runs=3)["runs"] == 3
+    assert speculation.method(s, runs=3, concurrency=[16, 4])["concurrency"] == [1, 4, 16]
+    assert speculation.method(s, runs=3)["runs"] == 3
     assert bench.parse_levels("1,4,16") == [1, 4, 16] and bench.parse_levels(None) is None
     for bad in ("0", "a,b", "", "4,2000"):
         with pytest.raises(ConfigError, match="--concurrency"):
@@ -310,7 +323,7 @@ def test_per_request_rates_and_statistics():
 # The stand-in's simulated server (its docstring): the first token after 0.05 s, then 110 tok/s with
 # speculation, 90 without; "jitter=0" leaves each request exactly that.
 STANDIN_TTFT_S = 0.05
-STANDIN_DECODE_TOK_S = {bench.SPECULATION: 110.0, bench.BASELINE: 90.0}
+STANDIN_DECODE_TOK_S = {SPECULATION: 110.0, BASELINE: 90.0}
 
 
 def test_the_client_measures_the_stand_in_over_loopback(local_server):
@@ -319,7 +332,7 @@ def test_the_client_measures_the_stand_in_over_loopback(local_server):
     doing, so the upper bounds on time are only a safety net (twice the simulated time)."""
     server = local_server("win,jitter=0")
     measured = {}
-    for config in bench.CONFIGURATIONS:
+    for config in CONFIGURATIONS:
         server.start(config)
         measured[config] = client.measure(params(server.url))
     for config, found in measured.items():
@@ -333,7 +346,7 @@ def test_the_client_measures_the_stand_in_over_loopback(local_server):
             assert run["seconds"] - run["ttft_s"] > decode_s / 2, run     # ... nor the last
             assert STANDIN_TTFT_S + decode_s <= run["seconds"] < 2 * (STANDIN_TTFT_S + decode_s), run
         assert found["output_tok_s"]["min"] <= found["output_tok_s"]["mean"] <= found["output_tok_s"]["max"]
-    spec, base = measured[bench.SPECULATION], measured[bench.BASELINE]
+    spec, base = measured[SPECULATION], measured[BASELINE]
     assert spec["output_tok_s"]["mean"] > base["output_tok_s"]["mean"]
     assert spec["accept_length"] == pytest.approx(2.6, abs=0.3) and base["accept_length"] is None
     assert spec["runs"][0]["accept_length"] == pytest.approx(2.6, abs=0.4)
@@ -342,21 +355,21 @@ def test_the_client_measures_the_stand_in_over_loopback(local_server):
 def test_higher_concurrency_finds_the_crossover(local_server):
     server = local_server("crossover=3,jitter=0")
     levels = {}
-    for config in bench.CONFIGURATIONS:
+    for config in CONFIGURATIONS:
         server.start(config)
         found = client.measure(params(server.url, runs=2, warmup=0, concurrency=[1, 32], max_new_tokens=16))
         levels[config] = {level["concurrency"]: level["tok_s"]["mean"] for level in found["concurrency"]}
         assert [level["concurrency"] for level in found["concurrency"]] == [1, 32]
         assert len(found["concurrency"][1]["rounds"]) == 2
-    assert levels[bench.SPECULATION][1] > levels[bench.BASELINE][1]
-    assert levels[bench.SPECULATION][32] < levels[bench.BASELINE][32]
-    assert levels[bench.BASELINE][32] > 8 * levels[bench.BASELINE][1]   # rounds add up their requests' tokens
+    assert levels[SPECULATION][1] > levels[BASELINE][1]
+    assert levels[SPECULATION][32] < levels[BASELINE][32]
+    assert levels[BASELINE][32] > 8 * levels[BASELINE][1]   # rounds add up their requests' tokens
 
 
 def test_the_client_runs_as_the_host_runs_it_and_fails_with_a_reason(local_server):
     server = local_server("win")
-    server.start(bench.SPECULATION)
-    command = bench.client_command(sys.executable, params(server.url, runs=1, warmup=0, max_new_tokens=4))
+    server.start(SPECULATION)
+    command = speculation.client_command(sys.executable, params(server.url, runs=1, warmup=0, max_new_tokens=4))
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["output_tok_s"]["mean"] > 0
@@ -390,8 +403,8 @@ def test_the_stand_in_can_fail_only_its_baseline(monkeypatch, capsys):
 
 def reports() -> dict:
     measured = record_for(identity(), 96.1, 92.6, request="q")
-    measured["configurations"][bench.SPECULATION] = result(96.1, accept=2.41, levels=((1, 96.1), (4, 330.0), (16, 700.0)))
-    measured["configurations"][bench.BASELINE] = result(92.6, levels=((1, 92.6), (4, 320.0), (16, 880.0)))
+    measured["configurations"][SPECULATION] = result(96.1, accept=2.41, levels=((1, 96.1), (4, 330.0), (16, 700.0)))
+    measured["configurations"][BASELINE] = result(92.6, levels=((1, 92.6), (4, 320.0), (16, 880.0)))
     return {"h1": bench.host_report(measured, "q"), "h2": bench.host_report(record_for(identity(), 50, 50), "q"),
             "h3": bench.host_report(None, "q", "cannot read its record: ssh failed")}
 
@@ -498,7 +511,7 @@ class Gate:
         self.server, self.failing, self.runs = server, failing, []
 
     def __call__(self, command: str) -> subprocess.CompletedProcess:
-        config = next(name for name in bench.CONFIGURATIONS if f"start of the {name} configuration" in command)
+        config = next(name for name in CONFIGURATIONS if f"start of the {name} configuration" in command)
         self.runs.append(config)
         if config in self.failing:
             return subprocess.CompletedProcess(command, 1, "", "servestack: sglang.service on release "
@@ -525,7 +538,7 @@ def run_benchmark(monkeypatch, tmp_path, server: LocalServer, gate: Gate, **data
     state = fake_state(host_data, check_for_changes=False)
     s = settings(**host_data)
     # the benchmark's request, small: 3 runs of 16 tokens
-    monkeypatch.setattr(bench, "method", lambda settings_, runs=None, concurrency=None: {
+    monkeypatch.setattr(speculation, "method", lambda settings_, runs=None, concurrency=None: {
         "prompt": "p", "max_new_tokens": 16, "runs": 3, "warmup": 0, "concurrency": [1], "request_timeout_s": 30})
     add_deploy(state, speculation.speculation, release=service.release(s, RELEASE_ID))
     target = state.inventory.get_host("@fake/gpu1")
@@ -538,7 +551,7 @@ def test_auto_measures_both_configurations_through_the_gate_and_keeps_the_winner
         monkeypatch, tmp_path, local_server, caplog, throughput, chosen, gates):
     caplog.set_level(logging.INFO, logger="pyinfra")
     server = local_server(throughput)
-    server.start(bench.SPECULATION)   # what the service step left running
+    server.start(SPECULATION)   # what the service step left running
     gate = Gate(server)
     state, target = run_benchmark(monkeypatch, tmp_path, server, gate)
     run_ops(state)
@@ -560,8 +573,8 @@ def test_auto_measures_both_configurations_through_the_gate_and_keeps_the_winner
 def test_a_configuration_that_fails_its_gate_leaves_the_last_good_unit_and_records_nothing(
         monkeypatch, tmp_path, local_server, caplog):
     server = local_server("win")
-    server.start(bench.SPECULATION)
-    gate = Gate(server, failing=(bench.BASELINE,))
+    server.start(SPECULATION)
+    gate = Gate(server, failing=(BASELINE,))
     state, target = run_benchmark(monkeypatch, tmp_path, server, gate)
     with pytest.raises(PyinfraError, match="No hosts remaining"):
         run_ops(state)
@@ -576,7 +589,7 @@ def test_a_configuration_that_fails_its_gate_leaves_the_last_good_unit_and_recor
 
 def test_a_failed_measurement_fails_the_host_and_records_nothing(monkeypatch, tmp_path, local_server, caplog):
     server = local_server("win")
-    server.start(bench.SPECULATION)
+    server.start(SPECULATION)
 
     class DeadAfterGate(Gate):
         def __call__(self, command):
@@ -593,7 +606,7 @@ def test_a_failed_measurement_fails_the_host_and_records_nothing(monkeypatch, tm
 
 def test_a_current_record_means_no_benchmark(monkeypatch, tmp_path, local_server):
     server = local_server("win")
-    server.start(bench.SPECULATION)
+    server.start(SPECULATION)
     gate = Gate(server)
     state, target = run_benchmark(monkeypatch, tmp_path, server, gate)
     run_ops(state)

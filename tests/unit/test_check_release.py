@@ -3,7 +3,7 @@
 PyPI's torch 2.11.0 has `Version: 2.11.0` in its METADATA while `torch.__version__` says
 '2.11.0+cu130' (its torch/version.py; shared/notes/real-stack.md); the download.pytorch.org builds
 carry the label in both ('2.9.1+cu130'). The stand-in torch wheels reproduce exactly that
-(servestack/sandbox/standins/wheels.py `_torch_version_py`), and the check runs against them here.
+(sandbox/standins/wheels.py `_torch_version_py`), and the check runs against them here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from servestack.sandbox.standins.wheels import build_wheel, torch_wheel
+from sandbox.standins.wheels import build_wheel, torch_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "files" / "scripts" / "check_release.py"

@@ -9,11 +9,12 @@ import subprocess
 
 import pytest
 
-from operations.toolkit import RunfileSource, download_command
+from operations.toolkit import download_command
+from sandbox.artifacts import ArtifactServer, Fault
 from servestack import download
 from servestack.download import DownloadError, fetch_runfile
 from servestack.manifest import Runfile
-from servestack.sandbox.artifacts import ArtifactServer, Fault
+from servestack.paths import RunfileSource
 
 SIZE = 3 * 1024 * 1024 + 123
 

@@ -18,8 +18,8 @@ from facts.gpu import (
     parse_proc_driver_version,
 )
 from operations.preflight import check_compute_capability, check_driver, check_gpus
-from servestack.sandbox.standins.nvidia_smi import Gpu as StandinGpu
-from servestack.sandbox.standins.nvidia_smi import render_nvidia_smi
+from sandbox.standins.nvidia_smi import Gpu as StandinGpu
+from sandbox.standins.nvidia_smi import render_nvidia_smi
 from servestack.settings import settings_from_data
 from tests.unit.h200_captures import FIXTURES, fixture_lines
 

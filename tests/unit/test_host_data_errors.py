@@ -11,10 +11,11 @@ import pytest
 
 from servestack import cli
 from servestack.errors import ConfigError, ManifestError
+from servestack.keys import host_keys
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.preconnect import validate_targets
-from servestack.settings import (edit_distance, foreign_key_problem, host_keys, settings_from_data,
-                                 validate_inventory)
+from servestack.settings import settings_from_data, validate_inventory
+from servestack.strict_keys import edit_distance, foreign_key_problem
 from servestack.targets import is_this_machine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from servestack.sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
+from sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 HOST = FIXTURES / "h200-ubuntu2404"

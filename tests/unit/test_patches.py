@@ -32,13 +32,13 @@ from pyinfra.api.operation import add_op
 from pyinfra.api.operations import run_ops
 from pyinfra.connectors.util import make_unix_command
 
-from facts.patches import (PATCH_ROOT, SCRIPT, SUMS_HOLD, PatchStates, engine_source, load_patch_sets, remote_command,
-                           set_digests)
+from facts.patches import SCRIPT, SUMS_HOLD, PatchStates, engine_source, remote_command, set_digests
 from operations.patches import patches as patches_deploy
 from operations.patches import sglang_patches
+from sandbox.rootfs import cache_dir
 from servestack import patchlib
+from servestack.patchsets import PATCH_ROOT, load_patch_sets
 from servestack.scripts import script_command
-from servestack.sandbox.rootfs import cache_dir
 from tests.unit.fake_host import fake_state, run_here
 
 ROOT = Path(__file__).resolve().parents[2]

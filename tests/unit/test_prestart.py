@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from sandbox.standins.closure import requirements_closure
 from servestack.scripts import SCRIPTS, python_script_command
-from servestack.sandbox.standins.closure import requirements_closure
 from tests.unit.sglang_venv import sglang_python
 
 SCRIPT = SCRIPTS / "sglang-prestart.py"

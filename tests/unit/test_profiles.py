@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 
 from operations import service
-from servestack import settings as settings_module
+from sandbox.standins import fake_sglang_server
+from servestack import profiles, serving
 from servestack.errors import ConfigError, ManifestError
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
-from servestack.sandbox.standins import fake_sglang_server
-from servestack.settings import MANAGED_FLAGS, host_keys, settings_from_data
+from servestack.keys import host_keys
+from servestack.settings import MANAGED_FLAGS, settings_from_data
 from tests.unit.sglang_venv import sglang_python
 
 MANIFEST = load_manifest()
@@ -55,7 +56,7 @@ class Unresolved(Exception):
 
 @lru_cache(maxsize=4)
 def server_args_source(version: str = SGLANG) -> str:
-    from servestack.sandbox.standins.pypi import fetch_wheel
+    from sandbox.standins.pypi import fetch_wheel
     with zipfile.ZipFile(fetch_wheel("sglang", version)) as wheel:
         return wheel.read(SERVER_ARGS).decode()
 
@@ -230,7 +231,7 @@ def test_the_replayed_parser_refuses_a_made_up_flag_a_bad_choice_and_an_ambiguou
 ])
 def test_a_profile_command_line_with_a_made_up_flag_or_choice_fails_the_check(data, refusal):
     with pytest.raises(Refused, match=re.escape(refusal)):
-        parse_real(service.launch_arguments(profile_settings("glm-5-mtp", **data)), GLM_SGLANG)
+        parse_real(serving.launch_arguments(profile_settings("glm-5-mtp", **data)), GLM_SGLANG)
 
 
 # -- every profile, speculation on and off ---------------------------------------------------------
@@ -260,7 +261,7 @@ def _expected(s, speculation: bool) -> dict:
 @pytest.mark.parametrize("profile", PROFILES)
 def test_every_profile_command_line_parses_with_the_pinned_sglang(profile, speculation):
     s = profile_settings(profile)
-    argv = service.launch_arguments(s, speculation=speculation)
+    argv = serving.launch_arguments(s, speculation=speculation)
     parsed = vars(parse_real(argv, PROFILE_SGLANG[profile]))
     expected = _expected(s, speculation)
     if "tensor_parallel_size" not in parsed:   # 0.5.14 names --tp's dest tp_size
@@ -272,31 +273,31 @@ def test_every_profile_command_line_parses_with_the_pinned_sglang(profile, specu
     unresolved = real_parser(PROFILE_SGLANG[profile])[1] if replayable(PROFILE_SGLANG[profile]) else frozenset()
     used = {word for word in argv if word.startswith("--")}
     assert not used & unresolved, f"choices of {sorted(used & unresolved)} could not be read from the wheel"
-    assert ("--speculative-algorithm" in argv) == (speculation and service.speculates(s))
+    assert ("--speculative-algorithm" in argv) == (speculation and serving.speculates(s))
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_the_stand_in_server_accepts_every_profile_on_and_off(profile):
     s = profile_settings(profile)
     for speculation in (True, False):
-        parsed = fake_sglang_server.parse(service.launch_arguments(s, speculation=speculation))
+        parsed = fake_sglang_server.parse(serving.launch_arguments(s, speculation=speculation))
         assert parsed.model_path == s.service_model_path
         assert parsed.speculative_algorithm == (s.service_speculative_algorithm if speculation else None)
 
 
 def test_the_two_reference_deployments_as_profiles():
-    kimi = service.launch_arguments(profile_settings("kimi-k2.5-eagle3"))
+    kimi = serving.launch_arguments(profile_settings("kimi-k2.5-eagle3"))
     assert " ".join(kimi) == (
         "--model-path nvidia/Kimi-K2.5-NVFP4 --tp 8 --speculative-algorithm EAGLE3 "
         "--speculative-draft-model-path lightseekorg/kimi-k2.5-eagle3 --speculative-num-steps 3 "
         "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --attention-backend flashinfer "
         "--trust-remote-code --enable-torch-symm-mem --host 0.0.0.0 --port 30000")
     glm = profile_settings("glm-5-mtp")
-    assert " ".join(service.launch_arguments(glm)) == (
+    assert " ".join(serving.launch_arguments(glm)) == (
         "--model-path festr2/GLM-5-NVFP4-MTP --tp 8 --speculative-algorithm NEXTN --speculative-num-steps 3 "
         "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --attention-backend flashinfer "
         "--quantization modelopt_fp4 --kv-cache-dtype bf16 --host 0.0.0.0 --port 30000 --disable-custom-all-reduce")
-    assert " ".join(service.launch_arguments(glm, speculation=False)) == (
+    assert " ".join(serving.launch_arguments(glm, speculation=False)) == (
         "--model-path festr2/GLM-5-NVFP4-MTP --tp 8 --attention-backend flashinfer --quantization modelopt_fp4 "
         "--kv-cache-dtype bf16 --host 0.0.0.0 --port 30000 --disable-custom-all-reduce")
 
@@ -318,7 +319,7 @@ def test_the_glm_profile_unit_carries_its_environment_and_a_hosts_is_added():
     assert "Environment=NCCL_P2P_DISABLE=1\n" in text
     # sglang 0.5.14 always runs the V2 worker and warns that SGLANG_ENABLE_SPEC_V2 was removed
     assert "SGLANG_ENABLE_SPEC_V2" not in text
-    assert service.launch_arguments(s)[-3:] == ["--disable-custom-all-reduce", "--mem-fraction-static", "0.9"]
+    assert serving.launch_arguments(s)[-3:] == ["--disable-custom-all-reduce", "--mem-fraction-static", "0.9"]
 
 
 def test_a_host_value_beats_its_profiles_and_the_profile_speculation_can_be_turned_off(tmp_path):
@@ -328,7 +329,7 @@ def test_a_host_value_beats_its_profiles_and_the_profile_speculation_can_be_turn
     s = profile_settings("glm-5-mtp", servestack_manifest=str(path), service_env={"NCCL_IB_DISABLE": "0"},
                          service_speculative_algorithm="NONE", service_attention_backend="triton")
     assert s.service_env == {"NCCL_P2P_LEVEL": "SYS", "NCCL_IB_DISABLE": "0"}
-    argv = service.launch_arguments(s)
+    argv = serving.launch_arguments(s)
     assert "--speculative-algorithm" not in argv and argv[argv.index("--attention-backend") + 1] == "triton"
 
 
@@ -372,7 +373,7 @@ def speculative_setup(version: str) -> ast.AST:
              and node.name == "_handle_speculative_decoding"]
     if found:
         return found[0]
-    from servestack.sandbox.standins.pypi import fetch_wheel
+    from sandbox.standins.pypi import fetch_wheel
     with zipfile.ZipFile(fetch_wheel("sglang", version)) as wheel:
         return ast.parse(wheel.read(SPECULATIVE_HOOK).decode(), SPECULATIVE_HOOK)
 
@@ -386,15 +387,15 @@ def test_nextn_is_renamed_eagle_before_speculation_is_set_up(version):
 
 @pytest.mark.parametrize("version", STACK_SGLANGS)
 def test_the_self_drafting_architectures_are_the_pinned_sglangs(version):
-    """settings.SELF_DRAFTING_ARCHITECTURES + OWN_OR_SEPARATE_DRAFT: architectures whose draft defaults
+    """profiles.SELF_DRAFTING_ARCHITECTURES + OWN_OR_SEPARATE_DRAFT: architectures whose draft defaults
     to the model itself in every pinned sglang; the second may also take a separate draft without a
-    warning. A later sglang may add architectures (0.5.14: DeepseekV4, HYV3): settings names those
+    warning. A later sglang may add architectures (0.5.14: DeepseekV4, HYV3): profiles names those
     every stack has."""
     setup = speculative_setup(version)
     lists = _list_literals(setup)
-    ours = set(settings_module.SELF_DRAFTING_ARCHITECTURES + settings_module.OWN_OR_SEPARATE_DRAFT)
+    ours = set(profiles.SELF_DRAFTING_ARCHITECTURES + profiles.OWN_OR_SEPARATE_DRAFT)
     assert any(ours <= set(items) for items in lists if "GlmMoeDsaForCausalLM" in items)
-    assert list(settings_module.OWN_OR_SEPARATE_DRAFT) in lists
+    assert list(profiles.OWN_OR_SEPARATE_DRAFT) in lists
     source = ast.unparse(setup)
     assert re.search(r"(self|server_args)\.speculative_draft_model_path = (self|server_args)\.model_path", source)
     assert "DeepSeek MTP does not require setting speculative_draft_model_path." in source
@@ -412,7 +413,7 @@ def test_glm_5_gets_the_nsa_backend_when_none_is_set_and_bf16_kv_is_valid_for_it
 def test_the_profile_algorithms_are_sglangs_choices():
     parser, _ = real_parser()
     (declared,) = [action for action in parser._actions if "--speculative-algorithm" in action.option_strings]
-    assert set(settings_module.SPECULATIVE_ALGORITHMS) - {"NONE"} <= set(declared.choices)
+    assert set(profiles.SPECULATIVE_ALGORITHMS) - {"NONE"} <= set(declared.choices)
 
 
 # -- refused before connecting ----------------------------------------------------------------------------

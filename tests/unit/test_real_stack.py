@@ -1,8 +1,8 @@
 """Each profile's stack resolved against the REAL PyPI, and SGLang's start rules checked on the result.
 
 PyPI is reachable from every machine of this project, CI included. The resolution is the one a host
-makes (servestack/sandbox/standins/closure.py): the release's own pyproject.toml and overrides.txt
-(operations/releases.py), the same uv, the stack's upload-time bound, for CPython 3.12 on x86_64
+makes (sandbox/standins/closure.py): the release's own pyproject.toml and overrides.txt
+(servestack/releases.py), the same uv, the stack's upload-time bound, for CPython 3.12 on x86_64
 (Ubuntu 24.04, the GPU hosts' system). Only the wheels PyPI does not host (download.pytorch.org's
 torch 2.9.1+cu130 family, the GitHub release of sgl-kernel +cu130, flashinfer.ai's jit cache) are
 metadata-only stand-ins built from their kept Requires-Dist (kept_metadata.toml), served on loopback.
@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from sandbox.standins import closure
+from sandbox.standins.pypi import fetch_wheel
 from servestack.manifest import load_manifest
-from servestack.sandbox.standins import closure
-from servestack.sandbox.standins.pypi import fetch_wheel
 
 MANIFEST = load_manifest()
 PYTHON = "3.12"   # the GPU hosts' (Ubuntu 24.04)

@@ -30,3 +30,13 @@ def test_on_the_hosts_python_it_runs(tmp_path):
     run = run_tests_with_host_python(tmp_path, "3.11")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "tests collected" in run.stdout or "test collected" in run.stdout
+
+
+def test_the_sandbox_finds_servestack_sh_s_own_uv_without_it_on_path():
+    """`./servestack.sh rehearse` on a fresh machine: uv is in .tools/bin, which servestack.sh puts on PATH only
+    for `test`; the rehearsal's first step resolves the stacks with it (it stopped with "uv is needed")."""
+    script = "from sandbox.standins.closure import _uv; print(_uv())"
+    run = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == str(ROOT / ".tools" / "bin" / "uv")

@@ -22,10 +22,12 @@ from facts.batch import FactRequest
 from facts.service import UserAccount, combine_digests, parse_properties, parse_record
 from facts.venv import MlEnvState
 from operations import service
+from sandbox.standins import fake_sglang_server
+from servestack import serving
 from servestack.errors import ConfigError
+from servestack.paths import unit_path
 from servestack.scripts import SCRIPTS, script_text
 from servestack.settings import host_settings, settings_from_data
-from servestack.sandbox.standins import fake_sglang_server
 from tests.unit.fake_host import fake_state, read_keys
 
 RELEASE_ID = "r-0123456789ab"
@@ -48,7 +50,7 @@ def unit_values(text: str, key: str) -> list[str]:
 # -- flags ------------------------------------------------------------------------------------------
 
 def test_launch_arguments_come_from_the_manifest_defaults():
-    assert service.launch_arguments(settings()) == [
+    assert serving.launch_arguments(settings()) == [
         "--model-path", "nvidia/Kimi-K2.5-NVFP4", "--tp", "8",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "lightseekorg/kimi-k2.5-eagle3",
         "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
@@ -68,7 +70,7 @@ def test_the_unit_gives_up_on_a_server_that_keeps_crashing_while_it_loads():
 
 
 def test_host_data_changes_flags_and_appends_extra_arguments():
-    args = service.launch_arguments(settings(
+    args = serving.launch_arguments(settings(
         service_tp=4, service_speculative_algorithm="NONE", service_enable_torch_symm_mem=False,
         service_enable_flashinfer_allreduce_fusion=True, service_port=31000,
         service_extra_args=["--mem-fraction-static", "0.88"]))
@@ -79,7 +81,7 @@ def test_host_data_changes_flags_and_appends_extra_arguments():
 
 
 def test_the_stand_in_parses_exactly_what_the_unit_passes():
-    parsed = fake_sglang_server.parse(service.launch_arguments(settings(service_extra_args=["--log-level", "info"])))
+    parsed = fake_sglang_server.parse(serving.launch_arguments(settings(service_extra_args=["--log-level", "info"])))
     assert (parsed.tp, parsed.speculative_num_draft_tokens, parsed.attention_backend) == (8, 4, "flashinfer")
     with pytest.raises(SystemExit):
         fake_sglang_server.parse(["--model-path", "m", "--no-such-flag"])
@@ -266,7 +268,7 @@ def test_fingerprint_follows_the_unit_and_the_secrets():
     ("10.0.0.5", "http://10.0.0.5:30000"), ("fd00::5", "http://[fd00::5]:30000"),
 ])
 def test_the_gate_reaches_the_server_where_it_listens(host, url):
-    assert service.check_url(settings(service_host=host)) == url
+    assert serving.check_url(settings(service_host=host)) == url
 
 
 def test_gate_rolls_back_to_the_recorded_release():
@@ -441,7 +443,7 @@ def test_host_reads_lists_what_the_step_reads_with_the_same_arguments(monkeypatc
     keys = read_keys(monkeypatch)
     add_deploy(state, service.sglang_service, release=rel)
     listed = {request.key for request in service.host_reads(s, rel)}
-    unit_text = FactRequest.of(FileContents, path=service.unit_path(s)).key  # read only to diff a change
+    unit_text = FactRequest.of(FileContents, path=unit_path(s)).key  # read only to diff a change
     assert set(keys) - listed == {unit_text}
     assert listed - set(keys) == set()
     assert {request.key for request in service.host_reads(s)} < listed

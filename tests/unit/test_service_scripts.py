@@ -20,7 +20,8 @@ import pytest
 
 from facts.service import parse_record
 from operations import service
-from operations.releases import TOOL
+from servestack.paths import secrets_staging_path, service_record_path
+from servestack.releases import TOOL
 from servestack.scripts import SCRIPTS, atomic_write_command, script_command
 from servestack.settings import settings_from_data
 
@@ -49,7 +50,7 @@ def secrets(*args) -> subprocess.CompletedProcess:
 def test_secrets_are_staged_root_only_before_any_byte_is_written(tmp_path):
     path = tmp_path / "etc-servestack" / "sglang.service.env"
     assert secrets("stage", path).returncode == 0
-    staging = Path(service.staging_path(str(path)))
+    staging = Path(secrets_staging_path(str(path)))
     assert staging.read_bytes() == b"" and mode(staging) == "600" and staging.stat().st_uid == 0
     assert mode(path.parent) == "700" and not path.exists()
 
@@ -62,11 +63,11 @@ def test_the_staged_secrets_replace_the_file_and_the_upload_directory_goes(tmp_p
     upload.mkdir(mode=0o700)
     (upload / "secrets").write_text("left by the upload")
     assert secrets("stage", path).returncode == 0
-    Path(service.staging_path(str(path))).write_text("HF_TOKEN='new'\n")  # what the SFTP upload does
+    Path(secrets_staging_path(str(path))).write_text("HF_TOKEN='new'\n")  # what the SFTP upload does
     placed = secrets("place", path, upload)
     assert placed.returncode == 0 and placed.stdout == "" and placed.stderr == ""
     assert path.read_text() == "HF_TOKEN='new'\n" and mode(path) == "600"
-    assert not upload.exists() and not Path(service.staging_path(str(path))).exists()
+    assert not upload.exists() and not Path(secrets_staging_path(str(path))).exists()
 
 
 @needs_root
@@ -81,7 +82,7 @@ def test_placing_without_a_staged_file_fails_and_keeps_the_secrets(tmp_path):
 def test_removing_the_secrets_removes_a_left_over_staging_file_too(tmp_path):
     path = tmp_path / "sglang.service.env"
     path.write_text("x")
-    Path(service.staging_path(str(path))).write_text("y")
+    Path(secrets_staging_path(str(path))).write_text("y")
     assert secrets("remove", path).returncode == 0
     assert list(tmp_path.iterdir()) == []
     assert secrets("remove", path).returncode == 0  # nothing there: still done
@@ -110,7 +111,7 @@ def test_the_baseline_record_names_the_release_the_found_unit_ran(tmp_path):
     keep_unit, write_record = service._baseline_commands(s, found, None)
     assert keep_unit.get_raw_value().split()[:4] == ["install", "-D", "-m", "644"]
     bash(write_record.get_raw_value())
-    record = parse_record(Path(service.record_path(s)).read_text().splitlines())
+    record = parse_record(Path(service_record_path(s)).read_text().splitlines())
     assert record["fingerprint"] is None and record["release"] == "r-aaaaaaaaaaaa"
 
 

@@ -1,17 +1,21 @@
 """The manifest and host data are validated before any connection, with one clear line per problem."""
 
 import copy
+import dataclasses
 import re
 import subprocess
 import sys
 import tomllib
+import types
+import typing
 from pathlib import Path
 
 import pytest
 
 from servestack.errors import ConfigError
+from servestack.keys import host_keys, index_key, wheel_key
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest, parse_manifest
-from servestack.settings import settings_from_data, validate_inventory
+from servestack.settings import Settings, settings_from_data, validate_inventory
 from servestack.targets import refuse_local_targets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,6 +174,48 @@ def test_overrides_apply_and_defaults_come_from_the_manifest():
     assert settings.wheel_url(kernel, "aarch64") == kernel.wheel["aarch64"]
     assert settings.service_tp == 4
     assert settings.service_model_path == manifest.service["profiles"][manifest.service["profile"]]["model_path"]
+
+
+# Settings fields that hold the URL keys of the manifest's indexes and wheels, one per index or wheel.
+URL_MAPS = {"index_urls": lambda manifest: {index_key(name) for name in manifest.indexes},
+            "wheel_urls": lambda manifest: {wheel_key(p.name) for p in manifest.all_packages() if p.wheel}}
+
+
+def field_of(key: str, manifest) -> str:
+    return next((field for field, keys in URL_MAPS.items() if key in keys(manifest)), key)
+
+
+def test_settings_declare_a_typed_field_for_every_host_data_key():
+    """Issue 34: a reader and mypy follow declared fields, not a dict behind __getattr__. Every key
+    host_keys declares has its field and every field but the host's name and manifest is a key's."""
+    manifest = load_manifest()
+    declared = {field.name for field in dataclasses.fields(Settings)} - {"host_name", "manifest"}
+    assert declared == {field_of(key, manifest) for key in host_keys(manifest)}
+    assert "__getattr__" not in vars(Settings)
+
+
+def conforms(value, hint) -> bool:
+    """Whether `value` is of the type `hint` declares (exactly: a bool is no int here)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType:
+        return any(conforms(value, arg) for arg in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(conforms(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(conforms(k, args[0]) and conforms(v, args[1])
+                                               for k, v in value.items())
+    return type(value) is hint
+
+
+@pytest.mark.parametrize("profile", sorted(load_manifest().service["profiles"]))
+def test_every_value_has_its_fields_type(profile):
+    settings = settings_from_data("gpu-7", {"service_profile": profile, "cuda_mirror": "https://mirror.internal/",
+                                            "service_env": {"NCCL_DEBUG": 1}, "servestack_user_keys": ["cpu_count"]})
+    hints = typing.get_type_hints(Settings)
+    for key, value in settings.values.items():
+        field = field_of(key, settings.manifest)
+        hint = hints[field] if field == key else typing.get_args(hints[field])[1]
+        assert conforms(value, hint), (key, value, hint)
 
 
 class FakeHost:

@@ -1,7 +1,7 @@
 """The sandbox's simulated GPUs agree with the real captures of a GPU host and with each other.
 
 On sandbox hosts the stand-in torch and the program the stand-in nvcc "builds" see the GPUs the
-stand-in nvidia-smi lists (servestack/sandbox/standins/payload/torch_gpus.py, toolkit.py's
+stand-in nvidia-smi lists (sandbox/standins/payload/torch_gpus.py, toolkit.py's
 SIMULATED_SAMPLE). Configured as the captured H200, they must print what the real ones printed
 there (tests/fixtures/h200-ubuntu2404/verify/: the verify python report, the sample built for the
 GPU's own architecture and for SM120); with a driver that is not loaded, nothing sees a GPU, and
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from servestack.sandbox.standins import Gpu, dress_gpu_host, render_nvidia_smi
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
-from servestack.sandbox.standins.wheels import build_wheel, torch_wheel
+from sandbox.standins import Gpu, dress_gpu_host, render_nvidia_smi
+from sandbox.standins.toolkit import write_toolkit_tree
+from sandbox.standins.wheels import build_wheel, torch_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURES = ROOT / "tests" / "fixtures" / "h200-ubuntu2404" / "verify"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from operations.releases import release_inputs
-from operations.stack_hashes import hashes_path, read_fixed, write_fixed
 from servestack.errors import ConfigError
+from servestack.releases import release_inputs
 from servestack.settings import settings_from_data
+from servestack.stack_hashes import hashes_path, read_fixed, write_fixed
 
 
 def inputs(**data) -> dict:

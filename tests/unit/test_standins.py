@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
+from sandbox.standins import Gpu, build_artifacts, build_runfile, closure, dress_gpu_host, render_nvidia_smi
+from sandbox.standins.index import normalize_project, write_simple_index
+from sandbox.standins.pypi import fetch_wheel
+from sandbox.standins.runfile import runfile_info
+from sandbox.standins.stack import reference_stack
+from sandbox.standins.toolkit import write_toolkit_tree
+from sandbox.standins.wheels import broken_wheel
 from servestack.manifest import load_manifest
-from servestack.sandbox.standins import Gpu, build_artifacts, build_runfile, closure, dress_gpu_host, render_nvidia_smi
-from servestack.sandbox.standins.index import normalize_project, write_simple_index
-from servestack.sandbox.standins.pypi import fetch_wheel
-from servestack.sandbox.standins.runfile import runfile_info
-from servestack.sandbox.standins.stack import reference_stack
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
-from servestack.sandbox.standins.wheels import broken_wheel
 from tests.unit.standin_closure import build_with_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -519,7 +519,7 @@ def test_dress_gpu_host(uv, tmp_path):
 
 def test_a_changed_host_is_reported_by_the_lines_that_differ():
     """A dry run that changes a host fails the rehearsal naming what changed, not only that something did."""
-    from servestack.sandbox.lab import Lab
+    from sandbox.lab import Lab
 
     before = {"h1": "/etc/a 1 10.0  644\n/etc/b 1 10.0  644\nsglang.service loaded active running", "h2": "/etc/a"}
     after = {"h1": "/etc/a 1 10.0  644\n/etc/b 2 11.0  644\nsglang.service loaded active running", "h2": "/etc/a"}

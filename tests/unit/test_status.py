@@ -12,10 +12,10 @@ from facts.batch import FactBatch, batches
 from facts.framing import Section
 from facts.host import LockState
 from facts.verify import MARK
-from operations.releases import HEREDOC
 from servestack import status
 from servestack.backups import format_backups, snapshot_of
 from servestack.cli import build_parser
+from servestack.releases import HEREDOC
 from servestack.settings import settings_from_data
 from servestack.status import NOT_RECORDED, StatusReadings, host_status, render_json, render_table
 from servestack.verify import UNCUT_WIDTH, report_console

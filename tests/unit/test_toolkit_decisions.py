@@ -21,7 +21,17 @@ from pyinfra.api.exceptions import PyinfraError
 from pyinfra.api.operations import run_ops
 
 from facts.batch import FactRequest
-from facts.toolkit import CudaToolkits, Digest, FileStat, Fingerprint, LinkChain, NvccVersion, ToolkitState, Tree
+from facts.toolkit import (
+    CudaToolkits,
+    Digest,
+    FileStat,
+    Fingerprint,
+    LinkChain,
+    NvccVersion,
+    ToolkitState,
+    Tree,
+    toolkit_fact_arguments,
+)
 from operations.toolkit import (
     after_install_problems,
     assess_install,
@@ -31,19 +41,17 @@ from operations.toolkit import (
     host_reads,
     human_bytes,
     install_command,
-    kept_paths,
     link_line,
     new_record,
     paths_to_complete,
     paths_to_record,
     plan_runfile,
     record_target,
-    runfile_source,
     cuda_toolkit,
-    toolkit_fact_arguments,
 )
+from sandbox.standins.toolkit import write_toolkit_tree
 from servestack.manifest import Runfile
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from servestack.paths import kept_paths, runfile_source
 from servestack.settings import settings_from_data
 from tests.unit.fake_host import fake_state, run_here
 from tests.unit.test_toolkit_scripts import installer_tmp_log_in_tmp_path  # noqa: F401  (an autouse fixture)

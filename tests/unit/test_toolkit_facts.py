@@ -23,7 +23,7 @@ from facts.toolkit import (
     parse_nvcc_version,
     parse_tree,
 )
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from sandbox.standins.toolkit import write_toolkit_tree
 from tests.unit.h200_captures import fixture_lines
 
 

@@ -15,6 +15,7 @@ from pyinfra import host
 from pyinfra.api.deploy import add_deploy, deploy
 from pyinfra.context import ctx_host, ctx_state
 
+from facts.batch import FactRequest
 from facts.gpu import Gpu, GpuReport
 from facts.host import (
     Disk,
@@ -27,14 +28,14 @@ from facts.host import (
     release_lock_command,
     take_lock_command,
 )
-from facts.batch import FactRequest
 from facts.preflight import PreflightFacts
 from facts.toolkit import (CudaToolkits, Digest, FileStat, LinkChain, NvccVersion, ToolkitState, Tree,
-                           toolkits_command)
+                           toolkit_fact_arguments, toolkits_command)
 from operations.preflight import CHECKS, disk_needs, evaluate, host_reads, problems_of, read_preflight
-from operations.toolkit import kept_paths, runfile_candidates, runfile_toolkit, toolkit_fact_arguments
+from operations.toolkit import runfile_toolkit
+from sandbox.standins.toolkit import write_toolkit_tree
 from servestack.doctor import render_json, report_for
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from servestack.paths import kept_paths, runfile_candidates
 from servestack.settings import host_settings, settings_from_data
 from tests.unit.fake_host import fake_state, run_here
 from tests.unit.flock_holder import flock_held

@@ -21,7 +21,6 @@ from facts.toolkit import LinkChain
 from operations import toolkit as toolkit_step
 from operations.toolkit import (
     LOG_TAIL_LINES,
-    RunfileSource,
     download_command,
     install_command,
     move_aside_command,
@@ -31,8 +30,9 @@ from operations.toolkit import (
     verify_command,
     write_json_command,
 )
+from sandbox.standins.runfile import build_runfile
 from servestack.manifest import DEFAULT_MANIFEST, Runfile
-from servestack.sandbox.standins.runfile import build_runfile
+from servestack.paths import RunfileSource
 from servestack.scripts import SCRIPTS, script_command
 from servestack.settings import settings_from_data
 from tests.unit.flock_holder import flock_held

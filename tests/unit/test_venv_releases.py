@@ -6,12 +6,12 @@ import re
 
 import pytest
 
-from operations.releases import (
+from servestack.errors import ConfigError
+from servestack.manifest import load_manifest
+from servestack.releases import (
     HEREDOC, NoRollbackTarget, encode, format_diff, guarded_tool_command,
     package_diff, python_series, release_plan, releases_to_prune, rollback_target, tool_command, upload_bound,
 )
-from servestack.errors import ConfigError
-from servestack.manifest import load_manifest
 from servestack.settings import settings_from_data
 
 

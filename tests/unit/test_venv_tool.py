@@ -29,11 +29,11 @@ from pyinfra.context import ctx_host, ctx_state
 from facts import venv as facts_venv
 from facts.venv import MlEnvState
 from operations import venv as venv_step
-from operations.releases import CHECK, HEREDOC, TOOL, encode, release_at, release_plan
 from operations.venv import activate_release, mlenv_fact_arguments
+from sandbox.standins.stack import reference_stack
+from sandbox.standins.wheels import TORCH_TAG, WheelSpec, build_wheel, standin_wheel
 from servestack.manifest import load_manifest
-from servestack.sandbox.standins.stack import reference_stack
-from servestack.sandbox.standins.wheels import TORCH_TAG, WheelSpec, build_wheel, standin_wheel
+from servestack.releases import CHECK, HEREDOC, TOOL, encode, release_at, release_plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 import venv_index  # noqa: E402
@@ -536,7 +536,7 @@ def test_a_failed_check_keeps_the_release_out(host, tmp_path):
     torch_dir = next(root.rglob("torch/index.html")).parent
     for old in torch_dir.glob("*.whl"):
         old.unlink()
-    from servestack.sandbox.standins.index import write_simple_index
+    from sandbox.standins.index import write_simple_index
     write_simple_index(torch_dir.parent, [build_wheel(liar, tmp_path / "liar")])
     server, base = venv_index.serve(root)
     try:

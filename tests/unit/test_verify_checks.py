@@ -22,12 +22,12 @@ from facts.toolkit import fingerprint_command, parse_fingerprint, parse_toolkits
 from facts.verify import (MARK, OUTPUT, SAMPLE_SOURCE, CudaSample, HostReport, VerifyHost, parse_host_report,
                           reporting, reported)
 from operations.toolkit import kept_paths
+from sandbox.standins.toolkit import nvcc_version_text
 from servestack.checks.catalogue import CHECKS, CHECKS_BY_NAME, groups_for
 from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
 from servestack.checks.parse import patch_record_for, report
 from servestack.checks.readings import GROUPS, Readings, read_batch, requests
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
-from servestack.sandbox.standins.toolkit import nvcc_version_text
 from servestack.scripts import script_text
 from servestack.settings import settings_from_data
 from tests.unit.h200_captures import assert_passes_every_host_level_check, device_settings

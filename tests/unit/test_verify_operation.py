@@ -19,11 +19,11 @@ from facts.gpu import QUERY_FIELDS
 from facts.framing import BEGIN, END
 from facts.verify import OUTPUT
 from operations import verify as verify_step
-from operations.releases import release_at
 from operations.verify import DEPLOY_CHECKS, verify
 from servestack import reads
 from servestack.checks.catalogue import CHECKS
 from servestack.checks.readings import requests
+from servestack.releases import release_at
 from servestack.settings import host_settings
 
 # What NvidiaGpus' command prints on the real H200 (tests/fixtures/h200-ubuntu2404/nvidia-smi-query.txt).

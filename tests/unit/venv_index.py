@@ -1,6 +1,6 @@
 """A tiny local stack index for the venv tests: stand-in wheels served over HTTP on loopback.
 
-Uses the sandbox's stand-in wheel builders (servestack/sandbox/standins) with the versions of the
+Uses the sandbox's stand-in wheel builders (sandbox/standins) with the versions of the
 manifest's reference stack (sglang-0.5.9), plus a stand-in sglang whose requirements are the real
 0.5.9 pins of the stack (torch==2.9.1, flashinfer 0.6.3, sgl-kernel==0.3.21, transformers==4.57.1):
 the conflicts the overrides must solve. What the stand-ins require in turn is served too
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from sandbox.standins.index import write_simple_index
+from sandbox.standins.stack import reference_stack
+from sandbox.standins.wheels import (PURE_TAG, WheelSpec, broken_wheel, build_wheel, other_bytes_wheel,
+                                     standin_wheel)
 from servestack.manifest import load_manifest
-from servestack.sandbox.standins.index import write_simple_index
-from servestack.sandbox.standins.stack import reference_stack
-from servestack.sandbox.standins.wheels import (PURE_TAG, WheelSpec, broken_wheel, build_wheel, other_bytes_wheel,
-                                                standin_wheel)
 from tests.unit.standin_closure import build_with_requirements
 
 SGLANG_PINS = ("torch==2.9.1", "torchaudio==2.9.1", "torchvision", "sgl-kernel==0.3.21",

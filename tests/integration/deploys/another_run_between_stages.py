@@ -9,7 +9,7 @@ from pyinfra.api import StringCommand
 from pyinfra.api.state import BaseStateCallback
 
 from facts.host import release_lock_command, take_lock_command
-from operations.service import unit_path
+from servestack.paths import unit_path
 from servestack.settings import host_settings
 
 EDIT = "# edited by another servestack run"

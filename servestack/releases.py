@@ -95,15 +95,11 @@ def python_series(version: str) -> str:
 def package_source(settings, package, arch: str) -> tuple[str, str]:
     """('index', url) or ('wheel', url) for one manifest package on this host."""
     if package.wheel:
-        if arch not in package.wheel and not settings.values.get(_wheel_key(package.name)):
+        if arch not in package.wheel and not settings.wheel_urls.get(package.name):
             raise ConfigError(f"host {settings.host_name}: {settings.manifest.path} has no {package.name} wheel for "
                               f"architecture {arch!r} (it has {sorted(package.wheel)})")
         return "wheel", settings.wheel_url(package, arch)
     return "index", settings.index_url(package.index)
-
-
-def _wheel_key(name: str) -> str:
-    return "wheel_url_" + re.sub(r"[-_.]+", "_", name).lower()
 
 
 def release_inputs(settings, arch: str, python_version: str) -> dict:

@@ -17,8 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from servestack.sandbox.rootfs import cache_dir
-from servestack.sandbox.standins.stack import HOST_PYTHON
+from sandbox.rootfs import cache_dir
+from sandbox.standins.stack import HOST_PYTHON
 
 #: Every manylinux tag glibc 2.36 accepts (pip takes them one by one; uv's x86_64-manylinux_2_34 means all).
 HOST_PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(36, 4, -1)) + (

@@ -1,6 +1,6 @@
 """A GPU-host lab: sandbox hosts dressed as pre-upgrade GPU hosts, an artifact server, an inventory.
 
-`Lab(name).up(n)` boots `n` sandbox hosts (servestack.sandbox.hosts) dressed with the stand-ins
+`Lab(name).up(n)` boots `n` sandbox hosts (sandbox.hosts) dressed with the stand-ins
 (a stand-in nvidia-smi, a CUDA 12.8 stand-in with /usr/local/cuda -> cuda-12.8, a hand-made
 ml-env holding torch +cu128), starts the artifact server in the sandbox's controller namespace,
 and writes an inventory whose host data points every URL of the manifest at that server. The
@@ -24,14 +24,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from sandbox.hosts import Sandbox
+from sandbox.rootfs import cache_dir
+from sandbox.standins.build import ArtifactSet, build_artifacts
+from sandbox.standins.host import dress_gpu_host
+from sandbox.standins.index import write_simple_index
+from sandbox.standins.nvidia_smi import Gpu
+from sandbox.standins.runfile import RunfileInfo
 from servestack.manifest import DEFAULT_MANIFEST, PROJECT_ROOT, load_manifest
-from servestack.sandbox.hosts import Sandbox
-from servestack.sandbox.rootfs import cache_dir
-from servestack.sandbox.standins.build import ArtifactSet, build_artifacts
-from servestack.sandbox.standins.index import write_simple_index
-from servestack.sandbox.standins.host import dress_gpu_host
-from servestack.sandbox.standins.nvidia_smi import Gpu
-from servestack.sandbox.standins.runfile import RunfileInfo
 
 ARTIFACT_PORT = 8080
 SERVER_PID_FILE = "artifact-server.pid"
@@ -118,7 +118,7 @@ def sandbox_manifest(path: Path, artifacts: ArtifactSet) -> Path:
         if text.count(old) != 1:
             raise RuntimeError(f"cannot place the stand-in runfile's value: {old!r} is not unique in the manifest")
         text = text.replace(old, new)
-    header = ("# SANDBOX COPY of files/stack.toml, written by servestack.sandbox.lab: identical but for the\n"
+    header = ("# SANDBOX COPY of files/stack.toml, written by sandbox.lab: identical but for the\n"
               "# x86_64 runfile's size and checksums, which are those of the STAND-IN runfile.\n")
     path.write_text(header + text)
     return path
@@ -197,7 +197,7 @@ class Lab:
         return f"http://{host.controller_address}:{ARTIFACT_PORT}"
 
     def _start_server(self) -> None:
-        argv = [sys.executable, "-m", "servestack.sandbox.artifacts", "--root", str(self.artifacts.root),
+        argv = [sys.executable, "-m", "sandbox.artifacts", "--root", str(self.artifacts.root),
                 "--bind", "0.0.0.0", "--port", str(ARTIFACT_PORT), "--log", str(self.state_dir / SERVER_LOG)]
         server = subprocess.Popen(self.sandbox.controller_cmd(argv), cwd=PROJECT_ROOT, start_new_session=True,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -287,4 +287,4 @@ class Lab:
         console.print(table)
         console.print(f"inventory: {self.inventory_path}")
         console.print("run pyinfra or pytest against it in the controller namespace: "
-                      f"servestack sandbox run -- .venv/bin/pyinfra {self.inventory_path} deploy.py --dry --diff")
+                      f"./servestack.sh sandbox run -- .venv/bin/pyinfra {self.inventory_path} deploy.py --dry --diff")

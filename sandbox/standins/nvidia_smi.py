@@ -24,7 +24,7 @@ import pprint
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from servestack.sandbox.standins.stack import manifest
+from sandbox.standins.stack import manifest
 
 RTX_PRO_6000 = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 
@@ -89,7 +89,7 @@ def render_nvidia_smi(gpu: Gpu | None = None) -> str:
 # no PYTHON* variables; with imports only where used, a call costs about what the real tool does.
 _SCRIPT = r'''#!/usr/bin/python3 -IS
 # STAND-IN for NVIDIA's nvidia-smi (servestack sandbox): no GPU here.
-# Written by servestack.sandbox.standins.nvidia_smi. It talks to no driver: it prints the real
+# Written by sandbox.standins.nvidia_smi. It talks to no driver: it prints the real
 # output formats with the fixed values below, for: (no options), -L, --version, -i/--id=,
 # --query-gpu=... --format=csv[,noheader][,nounits].
 import sys

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from servestack.sandbox.standins.stack import OLD_CUDA_VERSION, OLD_NVCC_VERSION
+from sandbox.standins.stack import OLD_CUDA_VERSION, OLD_NVCC_VERSION
 
 #: `nvcc --version` details of known releases: nvcc version -> (Built on, Build line suffix).
 NVCC_BUILDS = {

@@ -25,14 +25,14 @@ from datetime import datetime, timedelta
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
+from sandbox.standins import closure
+from sandbox.standins.index import normalize_project, write_simple_index
+from sandbox.standins.pypi import fetch_wheels
+from sandbox.standins.runfile import RunfileInfo, build_runfile, runfile_info, write_md5sum
+from sandbox.standins.sglang import UPSTREAM_PATCHED_VERSION, server_args_imports
+from sandbox.standins.stack import manifest, old_label, target_label, with_label
+from sandbox.standins.wheels import BROKEN_KINDS, CODE_STANDINS, broken_wheel, build_wheel, standin_wheel
 from servestack.manifest import Stack
-from servestack.sandbox.standins import closure
-from servestack.sandbox.standins.index import normalize_project, write_simple_index
-from servestack.sandbox.standins.pypi import fetch_wheels
-from servestack.sandbox.standins.runfile import RunfileInfo, build_runfile, runfile_info, write_md5sum
-from servestack.sandbox.standins.sglang import UPSTREAM_PATCHED_VERSION, server_args_imports
-from servestack.sandbox.standins.stack import manifest, old_label, target_label, with_label
-from servestack.sandbox.standins.wheels import BROKEN_KINDS, CODE_STANDINS, broken_wheel, build_wheel, standin_wheel
 
 
 def mirror_path(url: str) -> PurePosixPath:

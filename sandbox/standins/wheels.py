@@ -27,8 +27,8 @@ except ModuleNotFoundError:  # Python 3.10
 from packaging.tags import parse_tag
 from packaging.version import Version
 
-from servestack.sandbox.standins.index import normalize_project
-from servestack.sandbox.standins.stack import OLD_CUDA_VERSION, package_version
+from sandbox.standins.index import normalize_project
+from sandbox.standins.stack import OLD_CUDA_VERSION, package_version
 
 #: Tags of the real wheels (x86_64, CPython 3.11 where the real ones are per-Python).
 TORCH_TAG = "cp311-cp311-manylinux_2_28_x86_64"

@@ -23,7 +23,7 @@ reset) and over HTTP on the same port, for tests in another process:
                                         "after": 1000, "times": 1} (fields of `Fault`; kinds: cut
                                         after N bytes, corrupt, status, slow: `after` bytes/s)
   POST /__control/reset              -> drop all faults and records
-(`ArtifactControl` is a client for these.) Run: `python -m servestack.sandbox.artifacts --root DIR
+(`ArtifactControl` is a client for these.) Run: `python -m sandbox.artifacts --root DIR
 --bind 0.0.0.0 --port 8080 --log FILE`.
 """
 

@@ -34,5 +34,5 @@ def server_args_imports(version: str) -> tuple[str, ...]:
         return SERVER_ARGS_IMPORTS[version]
     except KeyError:
         raise RuntimeError(f"the sandbox does not know what sglang {version} imports: add it to "
-                           "servestack/sandbox/standins/sglang.py SERVER_ARGS_IMPORTS (import "
+                           "sandbox/standins/sglang.py SERVER_ARGS_IMPORTS (import "
                            "sglang.srt.server_args in an empty venv until it succeeds)") from None

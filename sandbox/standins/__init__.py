@@ -13,12 +13,12 @@ stand-in. They are used only by the sandbox, never by the deploy.
 - host: `dress_gpu_host(root, gpu=..., with_cuda_128=..., with_ml_env=...)`
 """
 
-from servestack.sandbox.standins.build import ArtifactSet, build_artifacts
-from servestack.sandbox.standins.host import dress_gpu_host
-from servestack.sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
-from servestack.sandbox.standins.runfile import MODES as RUNFILE_MODES
-from servestack.sandbox.standins.runfile import RunfileInfo, build_runfile, runfile_info, write_md5sum
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from sandbox.standins.build import ArtifactSet, build_artifacts
+from sandbox.standins.host import dress_gpu_host
+from sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
+from sandbox.standins.runfile import MODES as RUNFILE_MODES
+from sandbox.standins.runfile import RunfileInfo, build_runfile, runfile_info, write_md5sum
+from sandbox.standins.toolkit import write_toolkit_tree
 
 __all__ = [
     "ArtifactSet", "Gpu", "RUNFILE_MODES", "RunfileInfo", "build_artifacts", "build_runfile",

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from servestack.sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
-from servestack.sandbox.standins.stack import (HOST_PYTHON, HOST_PYTHON_VERSION, OLD_CUDA_VERSION,
-                                               OLD_NVCC_VERSION, manifest, old_label, package_version,
-                                               with_label)
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
-from servestack.sandbox.standins.wheels import build_wheel, record_hash, standin_wheel
+from sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
+from sandbox.standins.stack import (HOST_PYTHON, HOST_PYTHON_VERSION, OLD_CUDA_VERSION,
+                                    OLD_NVCC_VERSION, manifest, old_label, package_version,
+                                    with_label)
+from sandbox.standins.toolkit import write_toolkit_tree
+from sandbox.standins.wheels import build_wheel, record_hash, standin_wheel
 
 OLD_TORCH_STACK = ("torch", "torchvision", "torchaudio")
 

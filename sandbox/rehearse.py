@@ -1,4 +1,4 @@
-"""`servestack rehearse`: the real deploy.py against sandbox hosts, the way a user runs it on a fleet.
+"""`./servestack.sh rehearse`: the real deploy.py against sandbox hosts, the way a user runs it on a fleet.
 
 1. boot sandbox GPU-host stand-ins (systemd, SSH, a stand-in GPU, CUDA 12.8 and a hand-made ml-env),
    each given one of the manifest's service profiles in turn (by default one host per profile)
@@ -97,7 +97,7 @@ def profile_names() -> list[str]:
 def assign_profiles(lab, profiles: list[str]) -> dict[str, str]:
     """Give the lab's hosts the service profiles in turn (host data `service_profile`), rewriting its
     inventory; {host name: profile}."""
-    from servestack.sandbox.lab import sandbox_manifest
+    from sandbox.lab import sandbox_manifest
 
     chosen = {host.name: profiles[index % len(profiles)] for index, host in enumerate(lab.hosts)}
     manifest = sandbox_manifest(lab.state_dir / "stack.toml", lab.artifacts)
@@ -223,7 +223,7 @@ def summary(outcome: Outcome) -> Table:
 def rehearse(hosts: int | None = None, keep: bool = False) -> int:
     """Run the rehearsal; print the summary and the final line; 0 only when everything held.
     `hosts`: how many sandbox hosts (default: one per service profile), given the profiles in turn."""
-    from servestack.sandbox.lab import Lab, gpu_spec
+    from sandbox.lab import Lab, gpu_spec
 
     profiles = profile_names()
     hosts = hosts or len(profiles)
@@ -250,7 +250,8 @@ def rehearse(hosts: int | None = None, keep: bool = False) -> int:
         console.print(f"[red]{error}[/]", markup=True, highlight=False)
     finally:
         if keep:
-            console.print(f"sandbox kept: {lab.state_dir} (servestack sandbox down, with SERVESTACK_SANDBOX=rehearse)")
+            console.print(f"sandbox kept: {lab.state_dir} "
+                          "(./servestack.sh sandbox down, with SERVESTACK_SANDBOX=rehearse)")
         else:
             lab.down()
     console.print(summary(outcome))

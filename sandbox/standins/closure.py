@@ -1,7 +1,7 @@
 """Each stack's whole package set as a real host resolves it, and the real metadata of every package.
 
 `resolve(stack)` resolves a stack the way a host's venv step does (the release's own pyproject.toml,
-overrides.txt and upload-time bound from operations/releases.py, the same uv), against the REAL
+overrides.txt and upload-time bound from servestack/releases.py, the same uv), against the REAL
 PyPI, for the sandbox hosts' Python on x86_64. The wheels PyPI does not host (the torch 2.9.1+cu130
 family, the sgl-kernel +cu130 file, flashinfer's jit cache) stand in with their kept Requires-Dist
 (kept_metadata.toml), served on loopback. `pypi_metadata(pins)` reads the real METADATA of PyPI
@@ -24,12 +24,12 @@ from pathlib import Path
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-from servestack.manifest import Stack
-from servestack.sandbox.rootfs import cache_dir
-from servestack.sandbox.standins.index import normalize_project, write_simple_index
-from servestack.sandbox.standins.pypi import HOST_PLATFORMS, pip_command, pip_environment
-from servestack.sandbox.standins.stack import HOST_PYTHON, HOST_PYTHON_VERSION, manifest
-from servestack.sandbox.standins.wheels import build_wheel, kept_metadata, standin_wheel
+from sandbox.rootfs import cache_dir
+from sandbox.standins.index import normalize_project, write_simple_index
+from sandbox.standins.pypi import HOST_PLATFORMS, pip_command, pip_environment
+from sandbox.standins.stack import HOST_PYTHON, HOST_PYTHON_VERSION, manifest
+from sandbox.standins.wheels import build_wheel, kept_metadata, standin_wheel
+from servestack.manifest import PROJECT_ROOT, Stack
 
 PLATFORM = "x86_64-manylinux_2_34"   # uv's --python-platform for the hosts (glibc 2.36)
 
@@ -78,8 +78,8 @@ def _cached(kind: str, key: dict, compute) -> dict:
 def resolve(stack: Stack, python: str = HOST_PYTHON, manifest_path: str | None = None) -> dict[str, str]:
     """{project: version} of `stack` resolved as a host on `python` resolves it, on the real PyPI;
     a direct wheel's entry is its file name. `manifest_path`: another manifest to read the stack from."""
-    from operations.releases import release_plan   # the hosts' own resolution inputs
-    from servestack.sandbox.artifacts import ArtifactServer
+    from servestack.releases import release_plan   # the hosts' own resolution inputs
+    from sandbox.artifacts import ArtifactServer
     from servestack.settings import settings_from_data
 
     def plan_for(base_url: str, wheels: dict[str, Path]):
@@ -137,7 +137,9 @@ def parse_lock(text: str) -> dict[str, str]:
 
 
 def _uv() -> str:
-    found = shutil.which("uv")
+    """servestack.sh's own uv (`.tools/bin`, not on PATH: `./servestack.sh rehearse` failed without it), else PATH's."""
+    own = PROJECT_ROOT / ".tools" / "bin" / "uv"
+    found = str(own) if own.is_file() else shutil.which("uv")
     if not found:
         raise RuntimeError("uv is needed on the control machine to resolve the stacks (servestack.sh installs it)")
     return found

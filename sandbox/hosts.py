@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from servestack.sandbox import cgroups, network, ssh
-from servestack.sandbox.rootfs import SUDO_USER, Log, ensure_rootfs, log_stderr, mounts_under
+from sandbox import cgroups, network, ssh
+from sandbox.rootfs import SUDO_USER, Log, ensure_rootfs, log_stderr, mounts_under
 
 DEFAULT_STATE_ROOT = "/var/tmp/servestack-sandbox"
 CONTROL_ROOT = Path("/run/servestack-sandbox")

@@ -51,8 +51,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from servestack.sandbox.standins.stack import manifest
-from servestack.sandbox.standins.toolkit import write_toolkit_tree
+from sandbox.standins.stack import manifest
+from sandbox.standins.toolkit import write_toolkit_tree
 
 MODES = ("normal", "repoint", "fail_midway", "broken_nvcc")
 MAKESELF_HEADER = Path("/usr/share/makeself/makeself-header.sh")

@@ -1,6 +1,6 @@
 """STAND-IN for `python -m sglang.launch_server`, for sandbox hosts only; never shipped by the deploy.
 
-Sandbox hosts have no GPU and cannot run SGLang. The lab (servestack.sandbox.lab) puts this file
+Sandbox hosts have no GPU and cannot run SGLang. The lab (sandbox.lab) puts this file
 in /opt/servestack-sandbox-standins on each host, and its host data sets
 `service_launch_module = "fake_sglang_server"` and PYTHONPATH, so the unit servestack renders
 starts this instead of SGLang (tests may also copy it into a release venv's site-packages). It parses the same arguments the unit
