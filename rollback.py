@@ -39,6 +39,6 @@ if preflight.preflight(reads=host_reads(settings),
     release = venv.rollback_target()
     if release is not None:
         preflight.lock(reads=host_reads(settings, release))
-        venv.rollback(release)
-        service.sglang_service(release)
+        venv.rollback(release=release)
+        service.sglang_service(release=release)
         preflight.release_lock()

@@ -5,6 +5,7 @@
 #   ./servestack.sh rehearse          # boot sandbox hosts, dry-run, converge twice, verify
 #   ./servestack.sh sandbox ACTION    # the sandbox hosts: up --hosts 3, run, exec, down, status
 #   ./servestack.sh test [PYTEST ARGS] # the test suite (unit + integration on sandbox hosts)
+#   ./servestack.sh lint              # ruff and mypy (pyproject.toml configures both)
 #   ./servestack.sh <any servestack subcommand>   # e.g. doctor inventory.py
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -53,7 +54,9 @@ ensure_venv() {
         .tools/bin/pip install -q "uv==$version"
     fi
     # the plot extra (matplotlib): `servestack bench --plot`, which the tests draw
-    UV_PYTHON_DOWNLOADS=never "$uv" sync -q --locked --extra plot --python "$(command -v python3)"
+    # the interpreter itself, not a launcher on PATH (a pyenv shim would make uv rebuild .venv every call)
+    UV_PYTHON_DOWNLOADS=never "$uv" sync -q --locked --extra plot \
+        --python "$(python3 -c 'import sys; print(sys.executable)')"
 }
 
 # The test suite runs the sandbox hosts' Python here: the stand-in wheels are CPython 3.11 builds (Debian 12's
@@ -74,6 +77,10 @@ case "${1:-}" in
           problem=$(test_python_problem)
           if [ -n "$problem" ]; then echo "$problem" >&2; exit 2; fi
           PATH="$here/.tools/bin:$PATH" exec .venv/bin/python -m pytest "$@" ;;
+    lint) status=0
+          .venv/bin/ruff check || status=1
+          .venv/bin/mypy || status=1
+          exit $status ;;
     # the test harness runs from this checkout: it is not in the installed package
     rehearse) exec .venv/bin/python -m sandbox "$@" ;;
     sandbox) shift

@@ -14,8 +14,9 @@ operations and remote commands as the no-op has, each command `true`; "texts", t
 texts the no-op sent each host (kept from one more no-op before the rounds).
 Wall time is the whole pyinfra process, as a user sees it (Python start-up, inventory, connecting,
 facts, operations). The median of the K runs is reported, and the ratios N/1 both of the medians
-and "paired" (the median of each round's own ratio: the sizes of one round ran moments apart). Remote commands are counted by bench/counting_pyinfra.py, a wrapper
-around pyinfra's SSH connector (see its docstring).
+and "paired" (the median of each round's own ratio: the sizes of one round ran moments apart). Remote
+commands are counted by bench/counting_pyinfra.py, a wrapper around pyinfra's SSH connector (see its
+docstring).
 
 Prints a table with the 8/1 ratios and writes bench/results/<git short sha>-<UTC>.json.
 """
@@ -54,7 +55,8 @@ class BenchFailed(Exception):
 
 
 def git_sha() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
     return (sha or "nogit") + ("-dirty" if dirty else "")
@@ -156,7 +158,8 @@ def changes(result: subprocess.CompletedProcess) -> int:
     try:
         return int(json.loads(result.stdout)["results"]["totals"].get("success", 0))
     except (ValueError, KeyError) as error:
-        raise BenchFailed(f"pyinfra failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}") from error
+        output = (result.stdout + result.stderr)[-4000:]
+        raise BenchFailed(f"pyinfra failed (exit {result.returncode}):\n{output}") from error
 
 
 def converge(lab: Lab, hosts: list[str]) -> None:
@@ -212,7 +215,8 @@ def no_op_shape(lab: Lab, names: list[str], plain_dir: Path) -> Shape:
     texts.mkdir()
     _, counts, result = pyinfra(lab, names, "-y", "--json", env={"BENCH_COMMAND_TEXTS": str(sent)})
     if result.returncode != 0 or changes(result):
-        raise BenchFailed(f"the no-op before --shape failed or changed something:\n{(result.stdout + result.stderr)[-4000:]}")
+        output = (result.stdout + result.stderr)[-4000:]
+        raise BenchFailed(f"the no-op before --shape failed or changed something:\n{output}")
     sort_by_host(sent, texts)
     sent.rmdir()
     commands = {counts[name]["commands"] for name in names}

@@ -30,7 +30,10 @@ MAX_COMMAND_CHARS = 100_000
 
 def _keyable(value) -> str:
     """Arguments that are objects (dataclasses) are identified by all their fields."""
-    text = json.dumps(asdict(value), sort_keys=True, default=str) if is_dataclass(value) else repr(value)
+    if is_dataclass(value) and not isinstance(value, type):
+        text = json.dumps(asdict(value), sort_keys=True, default=str)
+    else:
+        text = repr(value)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -50,7 +50,8 @@ def split(lines) -> dict[str, Section]:
     (a script that frames its own output can be read in a batch). A section whose end never came
     (the command was cut off) has exit status None."""
     found: dict[str, Section] = {}
-    name, body = None, []
+    name: str | None = None
+    body: list[str] = []
     for line in lines:
         if name is None:
             if line.startswith(BEGIN):

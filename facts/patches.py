@@ -81,7 +81,7 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
     quick = quick and mode == "check" and bool(record_path)
     headers = dict.fromkeys(f"{patchlib.SUMS_HEADER} {digest}" for digest in digests.values())
     env = {"PYTHON": python, "ABSENT": absent, "RECORD": record_path or "",
-           "SUMS": patchlib.sums_path(record_path) if quick else "", "HEADERS": "\n".join(headers),
+           "SUMS": patchlib.sums_path(record_path) if quick and record_path else "", "HEADERS": "\n".join(headers),
            "HOLD": SUMS_HOLD}
     return f"{script_command(SCRIPT, env=env)} <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}"
 

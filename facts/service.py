@@ -82,7 +82,8 @@ class UnitState(FactBase):
     def process(self, output):
         return parse_properties(output)
 
-    def default(self):
+    @staticmethod
+    def default() -> dict:
         return {}
 
 
@@ -126,7 +127,9 @@ class UserAccount(Users):
     + user: the user's name
     """
 
-    def command(self, user: str) -> str:
+    # pyinfra gives each fact's command that fact's own arguments (FactBase.command is Callable[..., ...]), but
+    # types Users.command with none: mypy reads this one, with the user, as an incompatible override
+    def command(self, user: str) -> str:  # type: ignore[override]
         quoted = shlex.quote(user)
         # `id -Gn` lists the primary group first: one `id` answers both (pyinfra runs `id -gn` too)
         return (f"ENTRY=$(getent passwd {quoted}); if [ -n \"$ENTRY\" ]; then G=$(id -Gn {quoted}); "
@@ -165,5 +168,6 @@ class UnreadableBy(FactBase):
     def process(self, output):
         return [line for line in output if line.strip()]
 
-    def default(self):
+    @staticmethod
+    def default() -> list:
         return []

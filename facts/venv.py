@@ -74,7 +74,10 @@ def _json(section: Section | None):
 
 def python_version(text: str) -> str:
     """`python -V`'s version as platform.python_version() gives it (x.y becomes x.y.0)."""
-    version = re.match(r"[\w.+]+", text, re.ASCII).group()
+    match = re.match(r"[\w.+]+", text, re.ASCII)
+    if match is None:
+        raise ValueError(f"`python -V` printed no version: {text!r}")
+    version = match.group()
     return version + ".0" if version.count(".") == 1 else version
 
 
@@ -102,7 +105,7 @@ def venv_path_state(section: Section, path: str, releases_dir: str) -> dict:
     if kind == "directory":
         state["kind"] = "venv" if pyvenv else "other"
     elif kind == "link":
-        state["release"] = release_of(state["target"], releases_dir)
+        state["release"] = release_of(found["target"], releases_dir)  # the host tool prints a link's target
         if not pyvenv:
             state["kind"] = "broken-link"
     return state
@@ -165,5 +168,6 @@ class MlEnvBackups(FactBase):
         text = "\n".join(output).strip()
         return json.loads(text)["backups"] if text else []
 
-    def default(self):
+    @staticmethod
+    def default() -> list:
         return []

@@ -26,6 +26,7 @@ dies, its SSH connection closes and the next run finds the lock stale and replac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from packaging.version import InvalidVersion, Version
 from pyinfra import host
@@ -35,7 +36,7 @@ from facts.batch import FactRequest
 from facts.gpu import GpuReport, NvidiaGpus
 from facts.host import DiskSpace, HostLock, LockState, parse_lock, release_lock_command, take_lock_command
 from facts.preflight import PreflightFacts
-from facts.toolkit import CudaToolkits, toolkit_fact_arguments
+from facts.toolkit import CudaToolkits, ToolkitState, toolkit_fact_arguments
 from operations.toolkit import (
     assess_install,
     digest_problem,
@@ -92,7 +93,8 @@ def host_reads(settings: Settings, release=None) -> list[FactRequest]:
 
 def _checked_reads(settings: Settings) -> list[FactRequest]:
     return [FactRequest.of(NvidiaGpus),
-            FactRequest.of(DiskSpace, paths=(settings.cuda_cache_dir, settings.cuda_tmpdir, settings.cuda_install_path)),
+            FactRequest.of(DiskSpace,
+                           paths=(settings.cuda_cache_dir, settings.cuda_tmpdir, settings.cuda_install_path)),
             FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings))]
 
 
@@ -100,7 +102,7 @@ def _lock_read(settings: Settings) -> FactRequest:
     return FactRequest.of(HostLock, state_dir=settings.servestack_state_dir)
 
 
-def read_preflight(host_, settings: Settings, also: list[FactRequest] = (), digest: bool = True,
+def read_preflight(host_, settings: Settings, also: Sequence[FactRequest] = (), digest: bool = True,
                    lock: LockState | None = None) -> PreflightFacts:
     """Everything the checks judge, read with `also` in one remote command; then, with `digest`, the
     runfile's md5 and sha256 when an install is due and a full-size runfile is there to check (a
@@ -163,7 +165,7 @@ def check_arch(settings: Settings, facts: PreflightFacts) -> Check:
 
 def disk_needs(settings: Settings, facts: PreflightFacts) -> list[tuple[str, int, str]]:
     """(path, bytes, what) this install needs; nothing when the toolkit is already there."""
-    toolkit = facts.toolkit
+    toolkit = _toolkit(facts)
     if not assess_install(settings, toolkit.install, toolkit.marker).install_needed:
         return []
     cuda = settings.manifest.cuda
@@ -207,7 +209,7 @@ def check_runfile(settings: Settings, facts: PreflightFacts) -> Check:
     """The runfile the install would use: a pre-staged one must verify (size, md5, sha256) or the host
     is refused; a cached one that fails is reported (the toolkit step moves it aside and fetches again).
     Without a digest (not read: no full-size file, or preflight at execute) the install verifies it."""
-    toolkit, digest = facts.toolkit, facts.runfile_digest
+    toolkit, digest = _toolkit(facts), facts.runfile_digest
     if not assess_install(settings, toolkit.install, toolkit.marker).install_needed:
         return _ok("runfile", "not needed")
     source = runfile_source(settings, facts.arch)
@@ -251,7 +253,7 @@ def check_lock(settings: Settings, facts: PreflightFacts, run: str | None) -> Ch
 
 
 def check_link(settings: Settings, facts: PreflightFacts) -> Check:
-    chain = facts.toolkit.link
+    chain = _toolkit(facts).link
     if settings.cuda_link_policy == "new" and chain.kind in ("directory", "file"):
         return _fail("link", f"cuda_link_policy = 'new' but {chain.path} is a {chain.kind}, not a symlink: "
                              "servestack will not replace it")
@@ -259,14 +261,15 @@ def check_link(settings: Settings, facts: PreflightFacts) -> Check:
 
 
 def check_kept(settings: Settings, facts: PreflightFacts) -> Check:
-    missing = [path for path in kept_paths(settings) if not facts.toolkit.kept.get(path)]
+    missing = [path for path in kept_paths(settings) if not _toolkit(facts).kept.get(path)]
     if missing:
         return Check("kept_toolkits", "warn", f"not on the host (nothing to protect): {', '.join(missing)}")
     return _ok("kept_toolkits", ", ".join(kept_paths(settings)) or "none")
 
 
 def check_install_path(settings: Settings, facts: PreflightFacts) -> Check:
-    verdict = assess_install(settings, facts.toolkit.install, facts.toolkit.marker)
+    toolkit = _toolkit(facts)
+    verdict = assess_install(settings, toolkit.install, toolkit.marker)
     if verdict.refused:
         return _fail("install_path", verdict.detail)
     if verdict.install_needed:
@@ -274,10 +277,25 @@ def check_install_path(settings: Settings, facts: PreflightFacts) -> Check:
     return _ok("install_path", verdict.detail)
 
 
+def _toolkit(facts: PreflightFacts) -> ToolkitState:
+    if facts.toolkit is None:
+        raise ValueError("the toolkit checks need the toolkits read: evaluate refuses a host without them")
+    return facts.toolkit
+
+
 def evaluate(settings: Settings, facts: PreflightFacts, run: str | None = None) -> list[Check]:
-    """Every check, in CHECKS order. Checks that need a known architecture are skipped without one."""
+    """Every check, in CHECKS order. Checks that need a known architecture are skipped without one;
+    without the toolkits read, install_path fails and the checks that judge them are skipped."""
     checks = [check_driver(settings, facts.gpu), check_gpus(settings, facts.gpu),
               check_compute_capability(settings, facts.gpu), check_arch(settings, facts)]
+    if facts.toolkit is None:
+        unread = "the toolkits were not read"
+        return checks + [_fail("install_path", f"cannot read the CUDA toolkits on the host "
+                                               f"({settings.cuda_install_path}, its link and the runfile): "
+                                               "run again; if it persists, run servestack doctor"),
+                         *(Check(name, "skip", unread) for name in ("runfile", "disk")),
+                         check_lock(settings, facts, run),
+                         *(Check(name, "skip", unread) for name in ("link", "kept_toolkits"))]
     arch_known = checks[-1].status == "ok"
     checks.append(check_install_path(settings, facts))
     if arch_known:
@@ -362,7 +380,7 @@ def lock_free():
 
 
 @deploy("Preflight")
-def preflight(reads: list[FactRequest] = (), decides: list[FactRequest] = ()) -> bool:
+def preflight(reads: Sequence[FactRequest] = (), decides: Sequence[FactRequest] = ()) -> bool:
     """Check the host, refusing it on any problem. Returns False for a refused host.
 
     + reads: what the steps will read (deploy.py's ``host_reads``), read with preflight's own facts
@@ -388,7 +406,7 @@ def preflight(reads: list[FactRequest] = (), decides: list[FactRequest] = ()) ->
 
 
 @deploy("Lock")
-def lock(reads: list[FactRequest] = ()):
+def lock(reads: Sequence[FactRequest] = ()):
     """Take the host's lock for the run and read the host once, under it (call after planning).
 
     + reads: what the steps will read (deploy.py's ``host_reads``, with the planned release)

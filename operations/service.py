@@ -331,7 +331,7 @@ class GateFailures(BaseStateCallback):
         """The restart operation `op_hash` runs the health gate on this host now."""
         self.gated.add((op_hash, host_name))
 
-    def operation_host_error(self, state, host, op_hash, retry_count=0, max_retries=0):
+    def operation_host_error(self, state, host, op_hash, retry_count=0, max_retries=0):  # type: ignore[override]
         if (op_hash, host.name) in self.gated:
             self.failed.setdefault(op_hash, []).append(host.name)
 
@@ -647,15 +647,16 @@ def restart(settings: Settings, release: Release, secrets_sha: str | None = None
                                  f"{settings.service_name} was not restarted"])
         return
     if host.state.is_executing:
-        failures = gate_failures(host.state)
-        failed = rollout_failures(host.state, host.current_op_hash)
+        failures, op_hash = gate_failures(host.state), host.current_op_hash
+        assert op_hash is not None, "pyinfra sets the operation's hash while it executes"
+        failed = rollout_failures(host.state, op_hash)
         if len(failed) > settings.rollout_failure_budget:
             yield from refuse(host, [
                 f"{settings.service_name} not restarted: the roll-out stopped after {len(failed)} host(s) "
                 f"failed their health gate ({', '.join(sorted(failed))}; rollout_failure_budget="
                 f"{settings.rollout_failure_budget})"])
             return
-        failures.gating(host.current_op_hash, host.name)
+        failures.gating(op_hash, host.name)
     why = ("it was restarted from a unit edited since its last verified start" if elsewhere
            else "what it runs with changed" if record and running(state)
            else f"it is {unit_state_text(state)}" if record else "no healthy start recorded yet")

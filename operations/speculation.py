@@ -290,5 +290,5 @@ def bench_now(runs: int | None = None, concurrency: list[int] | None = None, req
                           "(pyinfra INVENTORY deploy.py); nothing was changed"])
         return
     preflight.lock(reads=_steps_reads(settings, release))
-    measure(release, {"runs": runs, "concurrency": concurrency, "request": request})
+    measure(release=release, on_demand={"runs": runs, "concurrency": concurrency, "request": request})
     preflight.release_lock()

@@ -26,8 +26,9 @@ it for deploy.py's batched read):
 The runfile's digest (a read of 4 GB) is read only when an install is due and a file is there to
 check (a full-size cached copy, or the pre-staged file), through `reads.fact(RunfileDigest, ...)`:
 preflight reads it first (a bad pre-staged runfile refuses the host before any step changes
-anything), this step reuses that read in the same stage. A runfile that fails verification is moved aside to `*.rejected-<UTC>`; only the
-newest rejected copy is kept, and the run says which older one it removed.
+anything), this step reuses that read in the same stage. A runfile that fails verification is moved
+aside to `*.rejected-<UTC>`; only the newest rejected copy is kept, and the run says which older one
+it removed.
 
 A tree at the install path that servestack cannot confirm as the manifest's toolkit (another
 version, no `version.json`, files owned by dpkg — e.g. NVIDIA's Ubuntu packages, whose nvcc
@@ -110,7 +111,9 @@ class Verdict:
 
 
 def _ours_interrupted(tree: Tree, marker: dict | None) -> bool:
-    return bool(marker) and marker.get("path") == tree.path
+    if not marker:
+        return False
+    return marker.get("path") == tree.path
 
 
 def assess_install(settings: Settings, tree: Tree, marker: dict | None = None) -> Verdict:
@@ -131,7 +134,7 @@ def assess_install(settings: Settings, tree: Tree, marker: dict | None = None) -
             return Verdict("installed", f"CUDA {want} is installed at {path} (nvcc V{want_nvcc}, version.json)")
     else:
         problem = None
-    if _ours_interrupted(tree, marker):
+    if marker is not None and _ours_interrupted(tree, marker):
         return Verdict("interrupted", f"an earlier servestack install into {path} did not finish "
                                       f"(run {marker.get('run_id', '?')})")
     accept = settings.cuda_existing_toolkit == "accept"
@@ -159,8 +162,10 @@ def assess_install(settings: Settings, tree: Tree, marker: dict | None = None) -
 
 def digest_problem(runfile: Runfile, digest: Digest | None) -> str | None:
     """Why a digest is not the runfile's, or None when size, md5 and sha256 all match."""
-    if digest is None or not digest.present:
+    if digest is None or not digest.present or digest.stat is None:
         return "the file is missing"
+    if digest.md5 is None or digest.sha256 is None:
+        return "md5sum or sha256sum gave no answer for it"
     return download.mismatch(runfile, download.Sums(digest.stat.size, digest.md5, digest.sha256))
 
 
@@ -219,6 +224,7 @@ def plan_runfile(source: RunfileSource, stats: dict, digest: Digest | None) -> R
         if problem:
             return RunfilePlan(problem=problem)
         return RunfilePlan(use=source.cached, lines=(f"pre-staged runfile {source.cached}: verified",))
+    assert source.part is not None  # only a pre-staged source has no partial file (servestack/paths.py)
     rejects, lines = [], []
     if cached is not None:
         problem = (f"size {cached.size} bytes, expected {runfile.size}" if cached.size != runfile.size
@@ -532,6 +538,7 @@ def _install_steps(settings: Settings, state: ToolkitState, source: RunfileSourc
     runfile_plan = plan_runfile(source, state.files, read_runfile_digest(host, settings, state))
     if runfile_plan.problem:
         return runfile_plan.problem
+    assert runfile_plan.use is not None  # a plan without a problem names the file it installs from
     steps.lines += runfile_plan.lines
     steps.commands += [FunctionCommand(_reject_runfile, (path, why), {}) for path, why in runfile_plan.rejects]
     if runfile_plan.fetch == "download":

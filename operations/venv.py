@@ -122,7 +122,9 @@ def _environment_changes(state: dict, target: str) -> bool:
 
 def _same_as_latest_backup(state: dict, active: dict) -> bool:
     latest, where = state.get("latest_backup"), state["venv_path"]
-    return bool(latest) and latest.get("realpath") == where["realpath"] \
+    if not latest:
+        return False
+    return latest.get("realpath") == where["realpath"] \
         and latest.get("packages") == active.get("packages") and latest.get("python") == active.get("python")
 
 
@@ -189,7 +191,8 @@ def build_release(release: ReleasePlan):
                      files=release.files, steps=release.steps, bound=release.bound, expect=release.expect,
                      check_script=CHECK.read_text(), uv=uv_binary(settings), uv_version=uv["version"],
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
-                     python=state["python"]["executable"], fixed=fixed and fixed["packages"], fixed_path=str(fixed_path))
+                     python=state["python"]["executable"], fixed=fixed and fixed["packages"],
+                     fixed_path=str(fixed_path))
     hostrun.plan(host, f"Build release {release.id} in {release.dir}; " + (
         f"its wheels must have the hashes fixed in {fixed_path}" if fixed else
         f"its lock fixes the stack's wheel hashes in {fixed_path} (none are fixed yet)"))

@@ -23,6 +23,7 @@ import hashlib
 import json
 import time
 from dataclasses import asdict
+from typing import Sequence
 
 from pyinfra import host, logger
 from pyinfra.api import deploy, operation
@@ -92,7 +93,7 @@ def host_reads(settings: Settings, release=None, names: tuple[str, ...] = DEPLOY
     return wanted
 
 
-def _read(settings: Settings, readings: Readings, groups, release, also: list[FactRequest] = ()) -> list:
+def _read(settings: Settings, readings: Readings, groups, release, also: Sequence[FactRequest] = ()) -> list:
     """Read `groups` as the deploy reads them (and `also`, whose values are returned) in one remote
     command, unless this stage read them already (servestack.reads)."""
     return read_groups(readings, settings, groups, lambda wanted: reads.read(host, wanted), also,
@@ -139,7 +140,7 @@ def record_text(key: str, judged: list[Check], outcomes: list[Outcome]) -> str:
 def _summary(outcomes: list[Outcome], reused: list[Outcome], record: dict | None) -> str:
     passed = sum(outcome.status == PASSED for outcome in outcomes)
     text = f"verified: {passed} check(s) passed, {len(outcomes) - passed} skipped"
-    if reused:
+    if reused and record is not None:  # outcomes are reused only from a record
         text += (f"; {len(reused)} of them not re-run: recorded at {record.get('at')} on this same state "
                  "(driver, GPUs, toolkit, release, settings)")
     return text

@@ -186,16 +186,16 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
     # --- serving files --------------------------------------------------------------------
     def _serve(self, head: bool) -> None:
         url_path = unquote(urlsplit(self.path).path)
-        self._record = RequestRecord(self.command, url_path, self.client_address[0], 0,
-                                     self.headers.get("Range"), 0, time.time())
-        self.server.faults.record(self._record)
+        record = self._record = RequestRecord(self.command, url_path, self.client_address[0], 0,
+                                              self.headers.get("Range"), 0, time.time())
+        self.server.faults.record(record)
         fault = self.server.faults.take(url_path)
         if fault and fault.kind == "status":
             self.send_error(fault.status)
             return
         local = Path(self.translate_path(self.path))
         if local.is_file():
-            self._serve_file(local, head, fault)
+            self._serve_file(local, head, fault, record)
         else:
             self._serve_other(head)
 
@@ -209,10 +209,10 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
             finally:
                 body.close()
 
-    def _serve_file(self, local: Path, head: bool, fault: Fault | None) -> None:
+    def _serve_file(self, local: Path, head: bool, fault: Fault | None, record: RequestRecord) -> None:
         size = local.stat().st_size
         wanted = parse_range(self.headers.get("Range"), size)
-        if wanted == "unsatisfiable":
+        if isinstance(wanted, str):  # "unsatisfiable"
             self.send_response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)
             self.send_header("Content-Range", f"bytes */{size}")
             self.send_header("Content-Length", "0")
@@ -231,11 +231,12 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
         self.end_headers()
         if not head:
             try:
-                self._send_body(local, first, last, size, fault)
+                self._send_body(local, first, last, size, fault, record)
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True
 
-    def _send_body(self, local: Path, first: int, last: int, size: int, fault: Fault | None) -> None:
+    def _send_body(self, local: Path, first: int, last: int, size: int, fault: Fault | None,
+                   record: RequestRecord) -> None:
         limit = fault.after if fault and fault.kind == "cut" else None
         with open(local, "rb") as stream:
             stream.seek(first)
@@ -248,13 +249,13 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
                 if fault and fault.kind == "corrupt":
                     chunk = _corrupt(chunk, offset, fault, size)
                 if limit is not None:
-                    chunk = chunk[: max(limit - self._record.bytes_sent, 0)]
-                self._record.bytes_sent += len(chunk)
+                    chunk = chunk[: max(limit - record.bytes_sent, 0)]
+                record.bytes_sent += len(chunk)
                 self.wfile.write(chunk)
                 offset += len(chunk)
                 if fault and fault.kind == "slow":  # `after` bytes per second: a slow mirror
                     time.sleep(len(chunk) / max(fault.after, 1))
-                if limit is not None and self._record.bytes_sent >= limit:
+                if limit is not None and record.bytes_sent >= limit:
                     self.close_connection = True
                     return
 
@@ -334,7 +335,7 @@ class ArtifactServer:
 
     @property
     def url(self) -> str:
-        host = self.httpd.server_address[0]
+        host = str(self.httpd.server_address[0])  # an IPv4 server: a str (typeshed allows bytes)
         return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
 
     @property

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -55,13 +56,14 @@ _SNAPSHOT = (f"find {' '.join(FINGERPRINT_PATHS)} -xdev -printf '%p %s %T@ %l %m
 def gpu_spec(model: str | None = None, capability: str | None = None, driver: str | None = None,
              count: int | None = None) -> Gpu:
     """The stand-in GPU: the fleet's defaults (manifest) with any given field replaced."""
-    overrides = {"name": model, "compute_cap": capability, "driver_version": driver, "count": count}
+    overrides: dict[str, Any] = {"name": model, "compute_cap": capability, "driver_version": driver, "count": count}
     return replace(Gpu(), **{key: value for key, value in overrides.items() if value is not None})
 
 
 def _artifacts_key(runfile_mode: str) -> str:
     digest = hashlib.sha256(DEFAULT_MANIFEST.read_bytes())
-    for source in sorted(path for path in STANDINS_SOURCE.rglob("*") if path.is_file() and "__pycache__" not in path.parts):
+    sources = (path for path in STANDINS_SOURCE.rglob("*") if path.is_file() and "__pycache__" not in path.parts)
+    for source in sorted(sources):
         digest.update(source.read_bytes())
     return f"{runfile_mode}-{digest.hexdigest()[:12]}"
 
@@ -127,10 +129,11 @@ def sandbox_manifest(path: Path, artifacts: ArtifactSet) -> Path:
 class Lab:
     """Dressed sandbox hosts plus their artifact server (see the module docstring)."""
 
+    artifacts: ArtifactSet  # what the lab serves, from `up` on
+    gpu: Gpu  # the hosts' stand-in GPU, from `up` on
+
     def __init__(self, name: str = "default", *, state_dir: Path | None = None, rootfs: Path | None = None):
         self.sandbox = Sandbox(name, state_dir=state_dir, rootfs=rootfs)
-        self.artifacts: ArtifactSet | None = None
-        self.gpu: Gpu | None = None
 
     @property
     def state_dir(self) -> Path:
@@ -203,6 +206,7 @@ class Lab:
                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True)
         (self.state_dir / SERVER_PID_FILE).write_text(f"{server.pid}\n")
+        assert server.stdout is not None  # stdout=PIPE
         if "serving" not in (server.stdout.readline() or ""):
             raise RuntimeError("the artifact server did not start")
 

@@ -107,7 +107,7 @@ def choose_links(count: int, used: Iterable[UsedNetwork], pool: IPv4Network = PO
     supply enough subnets.
     """
     clashing = [entry for entry in used if entry.network.overlaps(pool)]
-    links = []
+    links: list[Link] = []
     for subnet in pool.subnets(new_prefix=SUBNET_PREFIX):
         if len(links) == count:
             break

@@ -62,12 +62,16 @@ def status_summary(record: dict | None, active_release: str | None, policy: str 
                    min_gain: float | None = None) -> dict | str:
     """The speculation column of `servestack status`: "n/a" until a run records a measurement. With the
     host's `policy` and `min_gain`: also what they choose from the recorded numbers now ("now")."""
-    if not record or means(record) is None:
+    found = means(record)
+    if record is None or found is None:
         return NOT_APPLICABLE
-    speculation, baseline = means(record)
+    speculation, baseline = found
     measured_for = (record.get("identity") or {}).get("release")
-    now = decide(policy, min_gain, speculation, baseline).configuration if policy is not None else None
-    return {"decision": record.get("decision"), "now": now, "policy": record.get("policy"), "min_gain": record.get("min_gain"),
+    now = None
+    if policy is not None and min_gain is not None:
+        now = decide(policy, min_gain, speculation, baseline).configuration
+    return {"decision": record.get("decision"), "now": now, "policy": record.get("policy"),
+            "min_gain": record.get("min_gain"),
             "speculation_tok_s": speculation, "baseline_tok_s": baseline, "gain": record.get("gain"),
             "accept_length": (record["configurations"][SPECULATION] or {}).get("accept_length"),
             "measured_at": record.get("measured_at"), "by": record.get("by"), "release": measured_for,
@@ -246,7 +250,8 @@ def plot(reports: dict[str, dict], path: str | Path) -> Path:
         per_level.set_xticks([level["concurrency"] for level in report["configurations"][SPECULATION]["concurrency"]])
         per_level.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         if report["crossover"] and report["crossover"] > 1:
-            per_level.axvline(report["crossover"], color="grey", linestyle=":", label=f"crossover {report['crossover']}")
+            per_level.axvline(report["crossover"], color="grey", linestyle=":",
+                              label=f"crossover {report['crossover']}")
         per_level.set_ylim(0, 1.15 * max(max(by_level[SPECULATION].values()), max(by_level[BASELINE].values())))
         per_level.legend(loc="upper left")
         per_level.grid(alpha=0.3)

@@ -61,7 +61,7 @@ def file_sums(path: Path, progress: Progress | None = None, label: str = "verify
             md5.update(block)
             sha256.update(block)
             size += len(block)
-            if progress:
+            if progress and task is not None:
                 progress.update(task, advance=len(block))
     return Sums(size, md5.hexdigest(), sha256.hexdigest())
 

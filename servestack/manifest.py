@@ -7,9 +7,10 @@ sizes and checksums from the `Manifest` returned here, never from literals of it
 from __future__ import annotations
 
 import re
-try:
+import sys
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
+else:
     import tomli as tomllib
 from dataclasses import dataclass
 from functools import lru_cache

@@ -158,7 +158,7 @@ def _strip_prefix(path: str) -> str:
 
 
 def _parse_hunks(lines: list, i: int, path: str) -> tuple:
-    hunks = []
+    hunks: list[Hunk] = []
     while i < len(lines) and lines[i].startswith("@@"):
         match = _HUNK_HEADER.match(lines[i])
         if not match:
@@ -166,7 +166,10 @@ def _parse_hunks(lines: list, i: int, path: str) -> tuple:
         header = lines[i].rstrip("\n")
         old_count = int(match.group(2) or 1)
         new_count = int(match.group(4) or 1)
-        old, new, added, run = [], [], [], []
+        old: list[str] = []
+        new: list[str] = []
+        added: list[tuple[str, ...]] = []
+        run: list[str] = []
         i += 1
         while len(old) < old_count or len(new) < new_count:
             if i >= len(lines):
@@ -418,7 +421,7 @@ def apply_set(site_packages: Path, patches: list, checks: dict | None, package: 
     problem = refusal([r.as_dict() for r in results])
     if problem:
         raise PatchError(f"{package} {version}: set refused, no file changed: {problem}")
-    contents = {}  # path -> final text; later patches of the set override earlier ones
+    contents: dict[str, str] = {}  # path -> final text; later patches of the set override earlier ones
     for r in results:
         if r.state == APPLICABLE:
             contents.update((f.path, f.after) for f in r.files)
@@ -560,8 +563,9 @@ def _metadata_version(metadata: Path) -> str | None:
 def find_distribution(package: str) -> tuple[str, Path, Path | None] | None:
     """(version, the directory holding it, its METADATA file) of the installed distribution, the
     first on sys.path, as importlib.metadata finds it; read from its .dist-info directly because
-    importing importlib.metadata (email, zipfile...) would cost more than the rest of the check. Distributions without a .dist-info (old .egg-info) are left to importlib.metadata,
-    and have no METADATA path here (the sums need one)."""
+    importing importlib.metadata (email, zipfile...) would cost more than the rest of the check.
+    Distributions without a .dist-info (old .egg-info) are left to importlib.metadata, and have no
+    METADATA path here (the sums need one)."""
     found = _dist_info(package)
     if found:
         version, entry, metadata = found
@@ -571,7 +575,7 @@ def find_distribution(package: str) -> tuple[str, Path, Path | None] | None:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
         return None
-    return dist.version, Path(dist.locate_file("")).resolve(), None
+    return dist.version, Path(str(dist.locate_file(""))).resolve(), None
 
 
 def _dist_info(package: str) -> tuple[str, Path, Path] | None:
@@ -641,6 +645,6 @@ def remote_main(payload: dict) -> int:
             record_sha256=hashlib.sha256(record_bytes(expected)).hexdigest(),
         )
         if payload["mode"] == "check" and sums and in_place(results, out["record"]):
-            out["sums"] = sums_text(digest, metadata, record_path, record_path.read_bytes(), results)
+            out["sums"] = sums_text(*sums, record_path, record_path.read_bytes(), results)
     print(json.dumps(out))
     return 0

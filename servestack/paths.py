@@ -136,6 +136,10 @@ def runfile_source(settings: Settings, arch: str | None) -> RunfileSource | None
     """The runfile source for `arch`, or None when the manifest has no runfile for it."""
     if arch not in settings.manifest.runfiles:
         return None
+    return _runfile_source(settings, arch)
+
+
+def _runfile_source(settings: Settings, arch: str) -> RunfileSource:
     runfile = settings.runfile(arch)
     if settings.cuda_runfile_path:
         return RunfileSource(runfile, "prestaged", settings.cuda_runfile_path, None)
@@ -147,6 +151,6 @@ def runfile_candidates(settings: Settings) -> tuple[str, ...]:
     """Every runfile path worth a stat, for every architecture of the manifest."""
     paths = []
     for arch in settings.manifest.runfiles:
-        source = runfile_source(settings, arch)
+        source = _runfile_source(settings, arch)
         paths += [source.cached] + ([source.part] if source.part else [])
     return tuple(dict.fromkeys(paths))

@@ -60,7 +60,7 @@ def enable_tcp_nodelay() -> None:
         set_tcp_nodelay(self.client)
 
     setattr(_connect, _MARK, True)
-    SSHConnector._connect = _connect
+    setattr(SSHConnector, "_connect", _connect)
 
 
 def validate_after_inventory_load(state, validate) -> None:
@@ -105,4 +105,4 @@ def import_pyinfra_cli():
     import pyinfra_cli.exceptions
     import pyinfra_cli.inventory
     import pyinfra_cli.util
-    return sys.modules["pyinfra_cli"]
+    return pyinfra_cli

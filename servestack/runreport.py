@@ -61,6 +61,8 @@ class HostProgress:
 
 class RunReport(BaseStateCallback):
     """Follows every host through the execute stage (pyinfra's public state callbacks)."""
+    # pyinfra types its callbacks as static methods but calls them on the instance it was given
+    # (State.trigger_callbacks, pyinfra/api/state.py:304): hence the override ignores below.
 
     def __init__(self, state):
         self.state = state
@@ -69,13 +71,13 @@ class RunReport(BaseStateCallback):
     def progress(self, host) -> HostProgress:
         return self.hosts.setdefault(host.name, HostProgress())
 
-    def operation_host_start(self, state, host, op_hash):
+    def operation_host_start(self, state, host, op_hash):  # type: ignore[override]
         self.progress(host).current = _op_name(state, op_hash)
 
-    def operation_host_success(self, state, host, op_hash, retry_count=0):
+    def operation_host_success(self, state, host, op_hash, retry_count=0):  # type: ignore[override]
         self.progress(host).current = None
 
-    def operation_host_error(self, state, host, op_hash, retry_attempt=0, max_retries=0):
+    def operation_host_error(self, state, host, op_hash, retry_count=0, max_retries=0):  # type: ignore[override]
         progress = self.progress(host)
         progress.current = None
         progress.failed.append(op_hash)
@@ -195,7 +197,8 @@ def _stdin_closed(fd: int = 0) -> bool:
 
 def prompt_problem(argv: list[str], environ=os.environ, fd: int = 0) -> str | None:
     """Why this pyinfra run cannot ask for its confirmation, or None (it passes -y, --dry, or can read)."""
-    asks = not ({"-y", "--yes", "--dry"} & set(argv)) and environ.get("PYINFRA_YES", "").lower() not in ("1", "true", "yes")
+    yes = environ.get("PYINFRA_YES", "").lower() in ("1", "true", "yes")
+    asks = not ({"-y", "--yes", "--dry"} & set(argv)) and not yes
     if asks and _stdin_closed(fd):
         return ("pyinfra asks for confirmation before it changes anything, but standard input is closed: "
                 "look with --dry first, then run with -y to apply without asking")

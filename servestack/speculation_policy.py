@@ -95,11 +95,16 @@ def decide(policy: str, min_gain: float, speculation_mean: float, baseline_mean:
 
 def means(record: dict | None) -> tuple[float, float] | None:
     """(speculation, baseline) mean output tok/s at concurrency 1 of a record, None when it has none."""
+    if record is None:
+        return None
     try:
-        found = tuple(float(record["configurations"][name]["output_tok_s"]["mean"]) for name in CONFIGURATIONS)
+        return _mean(record, SPECULATION), _mean(record, BASELINE)
     except (KeyError, TypeError, ValueError):
         return None
-    return found  # type: ignore[return-value]
+
+
+def _mean(record: dict, configuration: str) -> float:
+    return float(record["configurations"][configuration]["output_tok_s"]["mean"])
 
 
 def record_decision(policy: str, min_gain: float, record: dict | None) -> Decision | None:
@@ -109,8 +114,14 @@ def record_decision(policy: str, min_gain: float, record: dict | None) -> Decisi
 
 def record_is_current(record: dict | None, fingerprint: str) -> bool:
     """The record measured what the service runs now (and holds both configurations' numbers)."""
-    return bool(record) and record.get("schema") == SCHEMA and record.get("fingerprint") == fingerprint \
-        and means(record) is not None
+    if not record:
+        return False
+    return record.get("schema") == SCHEMA and record.get("fingerprint") == fingerprint and means(record) is not None
+
+
+def current_decision(policy: str, min_gain: float, record: dict | None, fingerprint: str) -> Decision | None:
+    """What the recorded numbers decide when the record measured what the service runs now, else None."""
+    return record_decision(policy, min_gain, record) if record_is_current(record, fingerprint) else None
 
 
 def speculation_wanted(policy: str, min_gain: float, record: dict | None, fingerprint: str) -> bool:
@@ -119,9 +130,8 @@ def speculation_wanted(policy: str, min_gain: float, record: dict | None, finger
     as written, until the deploy's benchmark decides)."""
     if policy != "auto":
         return policy == "on"
-    if not record_is_current(record, fingerprint):
-        return True
-    return record_decision(policy, min_gain, record).speculation
+    decision = current_decision(policy, min_gain, record, fingerprint)
+    return True if decision is None else decision.speculation
 
 
 def benchmark_reason(policy: str, min_gain: float, record: dict | None, identity: dict) -> tuple[bool, str]:
@@ -133,12 +143,13 @@ def benchmark_reason(policy: str, min_gain: float, record: dict | None, identity
     fingerprint = identity_fingerprint(identity)
     if not record:
         return True, "no speculation decision is recorded on the host yet"
-    if record_is_current(record, fingerprint):
-        return False, (f"measured for what the service runs ({_measured(record)}): "
-                       + record_decision(policy, min_gain, record).why)
+    decision = current_decision(policy, min_gain, record, fingerprint)
+    if decision is not None:
+        return False, f"measured for what the service runs ({_measured(record)}): " + decision.why
     if record.get("fingerprint") == fingerprint:
         return True, "the record of the last benchmark holds no usable numbers"
-    return True, f"what the service runs changed since the last benchmark: {what_changed(record.get('identity'), identity)}"
+    changed = what_changed(record.get("identity"), identity)
+    return True, f"what the service runs changed since the last benchmark: {changed}"
 
 
 def _measured(record: dict) -> str:

@@ -45,6 +45,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 from pyinfra.api import FactBase
 
@@ -180,7 +181,7 @@ def host_status(settings: Settings, readings: StatusReadings) -> dict:
     """A host's status (the module docstring's per-host object), from what was read of it."""
     now = host_now(readings.unit)
     env = readings.env
-    result = {"reachable": True, "error": None, "host_time": iso(now)}
+    result: dict[str, Any] = {"reachable": True, "error": None, "host_time": iso(now)}
     if env is None:
         result["error"] = (f"'{settings.venv_python}' (venv_python) is not on the host's PATH: its releases "
                            "cannot be read")
@@ -223,7 +224,7 @@ def _releases(settings: Settings, env: dict, now: datetime | None) -> dict:
                else f"the release active before the deploy of {deploys[-1].get('release')}")
         if target == active_id:
             why += "; it is active already: a rollback changes nothing"
-        rollback = {"target": target, "why": why}
+        rollback: dict[str, str | None] = {"target": target, "why": why}
     except NoRollbackTarget as reason:
         rollback = {"target": None, "why": str(reason)}
     activated = next((entry for entry in reversed(history) if entry.get("release") == active_id), None) \

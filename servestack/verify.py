@@ -250,7 +250,7 @@ class Target:
             result = self.host.run("sh -c %s", command)
         except RuntimeError as error:   # testinfra's ssh backend raises its CommandResult when ssh failed
             failed = error.args[0] if error.args else None
-            if not hasattr(failed, "stderr"):
+            if failed is None or not hasattr(failed, "stderr"):
                 raise
             raise RuntimeError(f"ssh exited {failed.rc}: {failed.stderr.strip()[-500:]}") from None
         if not result.stdout.strip() and result.rc != 0:
@@ -356,8 +356,13 @@ def targets_from_testinfra(hostspecs: list[str], data: dict | None = None, **opt
     targets = []
     for host in testinfra.get_hosts(hostspecs, **options):
         name = host.backend.get_pytest_id()
-        targets.append(Target(name, _settings(name, dict(data or {})), lambda host=host: host, name))
+        targets.append(Target(name, _settings(name, dict(data or {})), _connected(host), name))
     return targets
+
+
+def _connected(host: Any) -> Callable[[], Any]:
+    """A Target's `connect` for a testinfra host made already."""
+    return lambda: host
 
 
 def prefetch(plan: dict[Target, set[str]], workers: int = PREFETCH_WORKERS) -> None:

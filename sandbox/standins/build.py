@@ -151,8 +151,8 @@ def build_artifacts(dest: Path, *, runfile_mode: str = "normal") -> ArtifactSet:
     real_runfile = manifest().runfiles["x86_64"]
     runfile = build_runfile(dest / mirror_path(real_runfile.url).parent, runfile_mode)
     md5sum = write_md5sum(dest / mirror_path(md5sum_url(real_runfile.url)), [runfile])
-    with tempfile.TemporaryDirectory(prefix="standin-artifacts-") as work:
-        work = Path(work)
+    with tempfile.TemporaryDirectory(prefix="standin-artifacts-") as work_dir:
+        work = Path(work_dir)
         torch_wheels = _index_wheels("torch", target_label(), work)
         indexes = {
             "pypi": write_simple_index(dest / mirror_path(manifest().indexes["pypi"]), *_pypi_wheels(work)),

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import AbstractSet, cast
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -171,17 +172,18 @@ def pypi_metadata(pins: dict[str, str], python: str = HOST_PYTHON) -> dict[str, 
 def host_environment(python: str = HOST_PYTHON) -> dict[str, str]:
     """The marker environment of a sandbox host (CPython `python` on Linux x86_64)."""
     environment = default_environment()
-    environment.update(python_version=python, python_full_version=f"{python}.0", sys_platform="linux",
-                       platform_system="Linux", platform_machine="x86_64", os_name="posix",
-                       implementation_name="cpython", platform_python_implementation="CPython")
-    return environment
+    environment.update({"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux",
+                        "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+                        "implementation_name": "cpython", "platform_python_implementation": "CPython"})
+    return cast("dict[str, str]", environment)  # packaging's Environment: str values, which mypy reads as object
 
 
-def requirements_closure(roots: set[str], metadata: dict[str, dict], stop: set[str] = frozenset(),
+def requirements_closure(roots: set[str], metadata: dict[str, dict], stop: AbstractSet[str] = frozenset(),
                          python: str = HOST_PYTHON) -> set[str]:
     """The projects `roots` need on a host, following each one's Requires-Dist (with the extras
     asked for) within `metadata`'s projects, never into those of `stop`."""
-    needed, pending = set(), [(root, frozenset()) for root in roots if root in metadata]
+    needed: set[str] = set()
+    pending: list[tuple[str, frozenset[str]]] = [(root, frozenset()) for root in roots if root in metadata]
     seen = set()
     while pending:
         project, extras = pending.pop()

@@ -3,8 +3,8 @@
 Sandbox hosts have no GPU and cannot run SGLang. The lab (sandbox.lab) puts this file
 in /opt/servestack-sandbox-standins on each host, and its host data sets
 `service_launch_module = "fake_sglang_server"` and PYTHONPATH, so the unit servestack renders
-starts this instead of SGLang (tests may also copy it into a release venv's site-packages). It parses the same arguments the unit
-passes (unknown or inconsistent ones make it exit 2, as SGLang's argument parser would) and
+starts this instead of SGLang (tests may also copy it into a release venv's site-packages). It parses
+the same arguments the unit passes (unknown or inconsistent ones make it exit 2, as SGLang's argument parser would) and
 serves what the health gate uses: GET /health, GET /health_generate, POST /generate, and
 GET /server_info: what it was started with, for tests to check what the unit passed (the parsed
 arguments, the command line as given and the SGLANG_* environment).
@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Sequence
 
 MODES = ("ok", "never-healthy", "fail-requests", "crash")
 SPECULATIVE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE")
@@ -93,9 +94,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.speculative_algorithm:
         if not args.speculative_draft_model_path and args.speculative_algorithm not in OWN_DRAFT_ALGORITHMS:
-            parser.error(f"--speculative-algorithm {args.speculative_algorithm} needs --speculative-draft-model-path")
-        if args.speculative_eagle_topk == 1 and args.speculative_num_draft_tokens != (args.speculative_num_steps or 0) + 1:
-            parser.error("--speculative-eagle-topk 1 needs --speculative-num-draft-tokens = --speculative-num-steps + 1")
+            parser.error(f"--speculative-algorithm {args.speculative_algorithm} "
+                         "needs --speculative-draft-model-path")
+        steps = args.speculative_num_steps or 0
+        if args.speculative_eagle_topk == 1 and args.speculative_num_draft_tokens != steps + 1:
+            parser.error("--speculative-eagle-topk 1 needs "
+                         "--speculative-num-draft-tokens = --speculative-num-steps + 1")
     return args
 
 
@@ -294,7 +298,7 @@ class Handler(BaseHTTPRequestHandler):
 
 def _output(done: int, tokens: int, prompt_tokens: int, steps: int, started: float, decoder: Decoder) -> dict:
     """The answer so far, shaped like SGLang's (text, meta_info with its own token counts)."""
-    meta = {"prompt_tokens": prompt_tokens, "completion_tokens": done}
+    meta: dict[str, object] = {"prompt_tokens": prompt_tokens, "completion_tokens": done}
     if done >= tokens:
         meta["e2e_latency"] = time.monotonic() - started
         meta["finish_reason"] = {"type": "length", "length": tokens}
@@ -308,7 +312,7 @@ class FakeServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024   # listen backlog: a benchmark round opens its connections at once (SGLang's: 2048)
 
-    def __init__(self, args: argparse.Namespace, mode: str, startup_s: float, argv: list[str] = (),
+    def __init__(self, args: argparse.Namespace, mode: str, startup_s: float, argv: Sequence[str] = (),
                  throughput: Throughput | None = None, hold_file: str = ""):
         self.args, self.mode, self.argv, self.hold_file = args, mode, list(argv), hold_file
         self.ready_at = time.monotonic() + startup_s

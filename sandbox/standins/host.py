@@ -55,7 +55,8 @@ def install_device_nodes(root: Path, gpu: Gpu | None = None) -> Path | None:
         return None
     nodes = " ".join(["/dev/nvidiactl", *(f"/dev/nvidia{index}" for index in range(gpu.count))])
     unit = _inside(root, f"/etc/systemd/system/{DEVICE_NODES_UNIT}")
-    _write(unit, f"""# STAND-IN for the NVIDIA kernel module's device nodes (servestack sandbox): plain files, no driver.
+    _write(unit, f"""# STAND-IN for the NVIDIA kernel module's device nodes (servestack sandbox): \
+plain files, no driver.
 [Unit]
 Description=servestack sandbox: stand-in NVIDIA device nodes
 DefaultDependencies=no

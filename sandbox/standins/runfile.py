@@ -138,8 +138,8 @@ def build_runfile(dest_dir: Path, mode: str = "normal") -> Path:
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     out = dest_dir / manifest().runfiles["x86_64"].file
-    with tempfile.TemporaryDirectory(prefix="standin-runfile-") as work:
-        work = Path(work)
+    with tempfile.TemporaryDirectory(prefix="standin-runfile-") as work_dir:
+        work = Path(work_dir)
         header = work / "header.sh"
         header.write_text(patched_header(MAKESELF_HEADER.read_text()))
         payload = work / "payload"

@@ -160,7 +160,8 @@ def version_json(version: str, nvcc_version: str, cudart_version: str) -> dict:
 
 def _filler(seed: str, size: int) -> bytes:
     """Deterministic incompressible bytes (a sha256 chain), so archives keep their size."""
-    blocks, block = [], hashlib.sha256(seed.encode()).digest()
+    blocks: list[bytes] = []
+    block = hashlib.sha256(seed.encode()).digest()
     while len(blocks) * len(block) < size:
         block = hashlib.sha256(block).digest()
         blocks.append(block)

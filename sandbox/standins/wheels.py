@@ -15,14 +15,15 @@ import base64
 import dataclasses
 import hashlib
 import re
+import sys
 import zipfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
+else:
     import tomli as tomllib
 from packaging.tags import parse_tag
 from packaging.version import Version

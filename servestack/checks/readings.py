@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from facts.batch import FactBatch, FactRequest, batches, section_name
 from facts.framing import Section, split
@@ -133,7 +133,7 @@ def requests(settings: Settings, group: str, readings: Readings | None = None, *
 
 
 def read_groups(readings: Readings, settings: Settings, groups, read: Callable[[list[FactRequest]], list],
-                also: list[FactRequest] = (), **options) -> list:
+                also: Sequence[FactRequest] = (), **options) -> list:
     """Read `groups` (their `requests(..., **options)`) and `also` with `read(requests) -> values`,
     in one go; keep the groups' values in `readings` and return those of `also`."""
     wanted = {group: requests(settings, group, readings, **options) for group in groups}

@@ -98,7 +98,7 @@ def service_environment(settings: Settings, readings) -> str:
     else:
         problems += [f"{name} is {env.get(name)!r}, the service step pins {value!r}"
                      for name, value in expected.items() if env.get(name) != value]
-    if problems:
+    if problems or expected is None:
         raise Fail(f"{settings.service_name}'s live environment {readings.on}: " + "; ".join(problems))
     return (f"CUDA_HOME={cuda}; no other toolkit on PATH or LD_LIBRARY_PATH; "
             f"{len(expected)} pinned variable(s) as the service step sets them")

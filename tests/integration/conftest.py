@@ -18,6 +18,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -140,6 +141,9 @@ def sandbox(sandbox_rootfs: Path, sandbox_name: Callable[[str], str], made: Made
 
     return make
 
+
+if TYPE_CHECKING:
+    from sandbox.lab import Lab
 
 LabFactory = Callable[..., "Lab"]
 

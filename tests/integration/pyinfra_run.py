@@ -28,7 +28,8 @@ class PyinfraRun:
         return json.loads(self.stdout)["results"]["totals"]
 
 
-def run_pyinfra(lab, *args: str, target: str = "deploy.py", timeout: int = 900, answer: str | None = None) -> PyinfraRun:
+def run_pyinfra(lab, *args: str, target: str = "deploy.py", timeout: int = 900,
+                answer: str | None = None) -> PyinfraRun:
     """`pyinfra <lab inventory> <target> ARGS` in the controller namespace, from the project root;
     `answer`: what to type at pyinfra's prompts (without -y it asks before executing)."""
     argv = lab.controller_argv([PYINFRA, str(lab.inventory_path), target, *args])

@@ -14,8 +14,8 @@ from servestack.manifest import load_manifest
 pytestmark = pytest.mark.integration
 
 SERVICE_OPERATIONS = ("Unit sglang.service", "Health-gated restart of sglang.service")
-STACK_OPERATIONS = ("Back up the ML environment", "Build release", "Apply SGLang source patches", "SGLang pre-start check",
-                    "Activate release", "Prune old releases", "Service JIT cache directory")
+STACK_OPERATIONS = ("Back up the ML environment", "Build release", "Apply SGLang source patches",
+                    "SGLang pre-start check", "Activate release", "Prune old releases", "Service JIT cache directory")
 
 
 # The command line each profile's server must be started with, written out from files/stack.toml's

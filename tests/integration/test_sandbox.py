@@ -189,7 +189,7 @@ def test_hosts_reach_the_controller_only(booted):
         proc = booted.exec(host, f"ip route get {target}")
         assert proc.returncode != 0 and "unreachable" in proc.stderr, (target, proc)
     assert booted.exec(host, "curl -sS -m 3 http://deb.debian.org/").returncode != 0
-    assert booted.exec(host, f"getent hosts controller", check=True).stdout.split()[0] == host.controller_address
+    assert booted.exec(host, "getent hosts controller", check=True).stdout.split()[0] == host.controller_address
     forwarding = run(["ip", "netns", "exec", booted.controller_netns, "sysctl", "-n", "net.ipv4.ip_forward"])
     assert forwarding.stdout.strip() == "0"
 

@@ -95,7 +95,8 @@ class ServiceLab:
         venv = f"{RELEASES}/{release_id}/venv"
         for host in hosts or self.sb.hosts:
             purelib = self.sh(host, f"python3 -m venv --without-pip {venv} && echo {mode} > {venv}/fake-sglang-mode && "
-                                    f"{venv}/bin/python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'")
+                                    f"{venv}/bin/python -c "
+                                    "'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'")
             (host.root_path / purelib.strip().lstrip("/") / STANDIN.name).write_text(STANDIN.read_text())
 
     def activate(self, release_id: str, hosts=None) -> None:
@@ -132,7 +133,8 @@ class ServiceLab:
 
     def starts(self, host) -> int:
         """How many times the stand-in started on `host` (one journal line per start)."""
-        return int(self.sh(host, "journalctl -u sglang.service -o cat --no-pager | grep -c 'fake sglang (stand-in) listening' || true").strip())
+        return int(self.sh(host, "journalctl -u sglang.service -o cat --no-pager"
+                                 " | grep -c 'fake sglang (stand-in) listening' || true").strip())
 
     def http(self, host, path: str, body: dict | None = None) -> dict:
         """A request from the controller to the host's address, as a client of the fleet would send it."""
@@ -272,7 +274,8 @@ def test_the_secret_never_appears_in_the_unit_the_output_the_diff_or_the_journal
 
     missing = svc.converge({"service_secret_env": ["SERVESTACK_TEST_UNSET_SECRET"]}, "-y", user=SUDO_USER)
     assert missing.rc != 0
-    assert "'service_secret_env': SERVESTACK_TEST_UNSET_SECRET is not set in the control machine's environment" in missing.log
+    assert ("'service_secret_env': SERVESTACK_TEST_UNSET_SECRET is not set in the control machine's environment"
+            in missing.log)
     assert svc.sh(host, f"test -e {UNIT} || echo absent").strip() == "absent"
 
     first = svc.converge(data, "-y", "--diff", user=SUDO_USER, env={"HF_TOKEN": token})
@@ -506,7 +509,8 @@ def test_a_failed_host_stops_the_rollout_beyond_the_failure_budget(service_lab, 
     if budget == 0:
         assert after and set(after) == {"stopped"}, run.log
         failed = order[first_failure][0]
-        assert f"the roll-out stopped after 1 host(s) failed their health gate ({failed}; rollout_failure_budget=0)" in run.log
+        assert (f"the roll-out stopped after 1 host(s) failed their health gate ({failed}; rollout_failure_budget=0)"
+                in run.log)
     else:
         assert "stopped" not in after, run.log
     for host in good:

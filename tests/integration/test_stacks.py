@@ -22,7 +22,8 @@ from servestack.manifest import load_manifest
 pytestmark = pytest.mark.integration
 
 KIMI, GLM = "kimi-k2.5-eagle3", "glm-5-mtp"
-CUDNN_FIX = '[[stacks."sglang-0.5.9".packages]]\nname = "nvidia-cudnn-cu13"\nversion = "9.16.0.29"\nindex = "pypi"\nstep = 1\n\n'
+CUDNN_FIX = ('[[stacks."sglang-0.5.9".packages]]\nname = "nvidia-cudnn-cu13"\nversion = "9.16.0.29"\n'
+             'index = "pypi"\nstep = 1\n\n')
 # SGLang 0.5.9's refusal (srt/server_args.py check_torch_2_9_1_cudnn_compatibility), as SGLang says it.
 CUDNN_REFUSAL = "RuntimeError: CRITICAL WARNING: PyTorch 2.9.1 & CuDNN Compatibility Issue Detected"
 # A model directory as the server would find it: the config.json SGLang loads first. Its model_type
@@ -106,7 +107,8 @@ def test_sglang_refuses_a_release_without_the_cudnn_fix_and_the_previous_release
                  check=True)
     write_inventory(the_lab, lambda h: {"service_profile": KIMI, "service_model_path": KIMI_DIR})
     good = apply(the_lab)
-    assert f"checked: ServerArgs ({KIMI_DIR}'s model config" in good.output and "checked: check_server_args" in good.output
+    assert f"checked: ServerArgs ({KIMI_DIR}'s model config" in good.output
+    assert "checked: check_server_args" in good.output
     before = active_release(the_lab, host)
     assert before["packages"]["nvidia-cudnn-cu13"] == "9.16.0.29"
     unit = "sha256sum /etc/systemd/system/sglang.service; systemctl show -P InvocationID sglang.service"
@@ -134,8 +136,8 @@ def test_a_newer_dependency_published_later_does_not_change_what_the_next_host_i
     apply(the_lab, "deploy.py", "--limit", "h1")
     first = active_release(the_lab, the_lab.hosts[0])
     # tqdm: sglang requires it unpinned; a release uploaded after the stack's bound appears
-    the_lab.serve_more([build_wheel(standin_wheel("tqdm", "99.0.0", {"requires_dist": []}), the_lab.state_dir / "more")],
-                       {"tqdm-99.0.0-py3-none-any.whl": NEWER})
+    tqdm = build_wheel(standin_wheel("tqdm", "99.0.0", {"requires_dist": []}), the_lab.state_dir / "more")
+    the_lab.serve_more([tqdm], {"tqdm-99.0.0-py3-none-any.whl": NEWER})
     apply(the_lab, "deploy.py", "--limit", "h2")
     second = active_release(the_lab, the_lab.hosts[1])
     # (the ids differ only because each sandbox host reaches the artifact server at its own address,

@@ -28,6 +28,6 @@ def sglang_python(version: str) -> Path:
             version = package.wheel["x86_64"].rsplit("/", 1)[-1].split("-")[1] if package.wheel else package.version
             wheels.append(build_wheel(standin_wheel(package.name, version), work / "elsewhere"))
     subprocess.run([uv, "venv", "--quiet", "--python", "python3", str(work / "venv")], check=True)
-    subprocess.run([uv, "pip", "install", "--quiet", "--no-deps", "--offline", "--python", str(work / "venv/bin/python"),
-                    *map(str, wheels)], check=True)
+    subprocess.run([uv, "pip", "install", "--quiet", "--no-deps", "--offline",
+                    "--python", str(work / "venv/bin/python"), *map(str, wheels)], check=True)
     return work / "venv" / "bin" / "python"

@@ -142,8 +142,9 @@ def test_the_decision_says_both_numbers_and_the_threshold():
 
 
 def identity(release: str = RELEASE_ID, **changes) -> dict:
-    return {"release": release, "patchset": "none", "profile": "kimi-k2.5-eagle3", "launch_module": "sglang.launch_server",
-            "arguments": ["--model-path", "m"], "environment": [["HOME", "/var/lib/sglang"]], **changes}
+    return {"release": release, "patchset": "none", "profile": "kimi-k2.5-eagle3",
+            "launch_module": "sglang.launch_server", "arguments": ["--model-path", "m"],
+            "environment": [["HOME", "/var/lib/sglang"]], **changes}
 
 
 def record_for(ident: dict, spec: float, base: float, **extra) -> dict:
@@ -275,9 +276,10 @@ def test_the_settings_declare_the_policy_keys():
     s = settings()
     assert (s.service_speculation, s.service_speculation_min_gain) == ("on", 0.02)
     assert settings(service_speculation="auto", service_speculation_min_gain=0.05).service_speculation_min_gain == 0.05
-    for data, expected in (({"service_speculation": "maybe"}, "'service_speculation': expected one of 'on', 'off', 'auto'"),
-                           ({"service_speculation_min_gain": 2}, "'service_speculation_min_gain': expected a fraction"),
-                           ({"service_speculation_min_gain": True}, "'service_speculation_min_gain': expected a fraction")):
+    for data, expected in (
+            ({"service_speculation": "maybe"}, "'service_speculation': expected one of 'on', 'off', 'auto'"),
+            ({"service_speculation_min_gain": 2}, "'service_speculation_min_gain': expected a fraction"),
+            ({"service_speculation_min_gain": True}, "'service_speculation_min_gain': expected a fraction")):
         with pytest.raises(ConfigError, match=expected):
             settings(**data)
 
@@ -418,7 +420,8 @@ def test_the_table_per_host_and_the_plain_simulated_notice():
                    "gain over baseline"):
         assert column in text
     assert "95.1-97.1" in text and "2.41" in text and "+3.8%" in text
-    assert "h1: aggregate output tok/s by concurrency" in text and "h1: speculation stops paying at concurrency 16" in text
+    assert "h1: aggregate output tok/s by concurrency" in text
+    assert "h1: speculation stops paying at concurrency 16" in text
     assert "h1: speculation kept: 96.1 tok/s with speculation vs 92.6 without (+3.8%)" in text
     assert "h2: not measured: this run recorded no measurement (see its output above)" in text
     assert "h3: not measured: cannot read its record: ssh failed" in text
@@ -545,8 +548,9 @@ def run_benchmark(monkeypatch, tmp_path, server: LocalServer, gate: Gate, **data
     return state, target
 
 
-@pytest.mark.parametrize("throughput, chosen, gates", [("win,jitter=0", "speculation", ["baseline", "speculation"]),
-                                                       ("lose,jitter=0", "baseline", ["baseline", "speculation", "baseline"])])
+@pytest.mark.parametrize("throughput, chosen, gates", [
+    ("win,jitter=0", "speculation", ["baseline", "speculation"]),
+    ("lose,jitter=0", "baseline", ["baseline", "speculation", "baseline"])])
 def test_auto_measures_both_configurations_through_the_gate_and_keeps_the_winner(
         monkeypatch, tmp_path, local_server, caplog, throughput, chosen, gates):
     caplog.set_level(logging.INFO, logger="pyinfra")

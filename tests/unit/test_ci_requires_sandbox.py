@@ -27,8 +27,8 @@ def test_ci_fails_when_the_integration_tests_cannot_run(tmp_path):
     run = run_without_sandbox_tools(tmp_path, SERVESTACK_REQUIRE_SANDBOX="1")
     assert run.returncode == 1, run.stdout[-2000:]
     assert "1 error" in run.stdout.splitlines()[-1]
-    assert "sandbox hosts need " in run.stdout and "SERVESTACK_REQUIRE_SANDBOX=1 requires the integration tests to run" \
-        in run.stdout
+    assert "sandbox hosts need " in run.stdout
+    assert "SERVESTACK_REQUIRE_SANDBOX=1 requires the integration tests to run" in run.stdout
 
 
 def test_elsewhere_they_skip_with_the_reason(tmp_path):

@@ -174,7 +174,8 @@ def test_dpkg_owner_asks_dpkg_only_for_a_path_in_its_lists(tmp_path):
     (admin / "info" / "cuda-nvcc-13-0.list").write_text("/usr/local/cuda-13.0/bin\n/usr/local/cuda-13.0/bin/nvcc\n")
     (admin / "diversions").write_text("/usr/bin/diverted\n")
     (bin_dir / "grep").symlink_to(shutil.which("grep"))
-    (bin_dir / "dpkg").write_text('#!/bin/sh\necho "asked $*" >> "$LOG"\nprintf "cuda-nvcc-13-0: %s\\nsecond line\\n" "$2"\n')
+    (bin_dir / "dpkg").write_text('#!/bin/sh\necho "asked $*" >> "$LOG"\n'
+                                  'printf "cuda-nvcc-13-0: %s\\nsecond line\\n" "$2"\n')
     (bin_dir / "dpkg").chmod(0o755)
     log = tmp_path / "asked"
     env = {"DPKG_ADMINDIR": str(admin), "PATH": f"{bin_dir}:/bin:/usr/bin", "LOG": str(log)}

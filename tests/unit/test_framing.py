@@ -111,7 +111,8 @@ def test_each_fact_gets_its_own_output_and_exit_status(tmp_path):
 def test_in_a_batch_outputs_read_as_the_commands_alone():
     requests = (FactRequest.of(Printf, command="no-newline"), FactRequest.of(Printf, command="x\\n\\n"),
                 FactRequest.of(Echo, command="y; exit 4"))
-    assert read_batch(requests) == {section_name(0): Section(0, ("no-newline",)), section_name(1): Section(0, ("x", "")),
+    assert read_batch(requests) == {section_name(0): Section(0, ("no-newline",)),
+                                    section_name(1): Section(0, ("x", "")),
                                     section_name(2): Section(4, ("y",))}
 
 
@@ -153,7 +154,8 @@ def test_requires_command_guard_prints_pyinfras_marker_when_the_tool_is_missing(
     assert missing.command().startswith("if command -v no-such-tool-here")
     assert run_locally(missing.command()) == [MISSING_COMMAND_MARKER]
     found = read_batch((missing, FactRequest.of(NeedsSh, command="ran")))
-    assert found[section_name(0)] == Section(0, (MISSING_COMMAND_MARKER,)) and found[section_name(1)] == Section(0, ("ran",))
+    assert found[section_name(0)] == Section(0, (MISSING_COMMAND_MARKER,))
+    assert found[section_name(1)] == Section(0, ("ran",))
     with pytest.raises(Unread):  # read alone, pyinfra decides what a missing command means
         missing.value(found[section_name(0)])
     assert FactRequest.of(NeedsSh, command="ran").value(found[section_name(1)]) == "ran"
@@ -199,7 +201,8 @@ def test_slow_facts_run_together_in_the_background_and_beside_the_others(tmp_pat
                 FactRequest.of(SlowEcho, command=f"y; {waits_for('from-foreground')}; "
                                                  f"touch {tmp_path / 'from-background'}"),
                 FactRequest.of(Echo, command=f"z; touch {tmp_path / 'from-foreground'}; exit 5"))
-    assert read_batch(requests) == {section_name(0): Section(0, ("x", "saw")), section_name(1): Section(0, ("y", "saw")),
+    assert read_batch(requests) == {section_name(0): Section(0, ("x", "saw")),
+                                    section_name(1): Section(0, ("y", "saw")),
                                     section_name(2): Section(5, ("z",))}
 
 

@@ -308,7 +308,8 @@ def test_a_manifest_missing_uv_version_is_named_by_file_and_key_for_every_run(tm
 
 @pytest.mark.parametrize("section, key, expected", [
     ("service", "tp", "expected an integer from 1 to 64 (missing)"),
-    ('service.profiles."kimi-k2.5-eagle3"', "model_path", "expected a non-empty string without whitespace or control characters (missing)"),
+    ('service.profiles."kimi-k2.5-eagle3"', "model_path",
+     "expected a non-empty string without whitespace or control characters (missing)"),
     ("venv", "keep_releases", "expected an integer >= 1 (missing)"),
 ])
 def test_a_manifest_missing_a_default_is_named_not_a_key_error(tmp_path, section, key, expected):
@@ -389,7 +390,8 @@ def test_servestack_sh_names_the_manifest_and_key_when_uv_version_is_missing(tmp
     (tmp_path / "files" / "stack.toml").write_text('[uv]\nindex_url = "https://pypi.org/simple"\n')
     broken = subprocess.run(["bash", "-c", function + "uv_version"], cwd=tmp_path, capture_output=True, text=True)
     assert broken.returncode != 0 and "Traceback" not in broken.stderr
-    assert broken.stderr.strip() == "servestack: files/stack.toml: key 'uv.version': expected a version string like '0.13.9' (missing)"
+    assert broken.stderr.strip() == ("servestack: files/stack.toml: key 'uv.version': "
+                                     "expected a version string like '0.13.9' (missing)")
     (tmp_path / "files" / "stack.toml").write_text('[uv]\nversion = "0.13.9"\n')
     fine = subprocess.run(["bash", "-c", function + "uv_version"], cwd=tmp_path, capture_output=True, text=True)
     assert fine.stdout == "0.13.9\n"

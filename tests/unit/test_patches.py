@@ -177,7 +177,8 @@ def test_record_hashes_match_the_wheel_and_the_patched_files(make_env):
     assert (record["package"], record["version"]) == ("sglang", "0.5.9")
     for entry, (name, _) in zip(record["patches"], PATCHES):
         assert entry["name"] == name and entry["state"] == "applied"
-        assert entry["sha256"] == hashlib.sha256((PATCH_ROOT / "sglang/0.5.9" / f"{name}.patch").read_bytes()).hexdigest()
+        patch = PATCH_ROOT / "sglang/0.5.9" / f"{name}.patch"
+        assert entry["sha256"] == hashlib.sha256(patch.read_bytes()).hexdigest()
         for f in entry["files"]:
             before = base64.urlsafe_b64encode(bytes.fromhex(f["sha256_before"])).rstrip(b"=").decode()
             assert before == wheel_sha[f["path"]]

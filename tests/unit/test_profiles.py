@@ -161,7 +161,8 @@ def replayable(version: str) -> bool:
     """Whether `version` declares its arguments as add_argument calls in add_cli_args (0.5.9); from
     0.5.14 most are dataclass field metadata, read by SGLang's own code imported in a venv."""
     calls = [node for node in ast.walk(_function(server_args_tree(version), "add_cli_args"))
-             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"]
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr == "add_argument"]
     return len(calls) > 100
 
 

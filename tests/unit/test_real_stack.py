@@ -77,7 +77,8 @@ def test_a_multimodal_model_on_torch_2_9_1_gets_cudnn_9_15_or_later(profile):
 def test_without_the_cudnn_override_the_kimi_stack_gets_torchs_own_cudnn_9_13(tmp_path):
     """The negative control: the fix is what makes the rule hold."""
     text = MANIFEST.path.read_text()
-    block = '[[stacks."sglang-0.5.9".packages]]\nname = "nvidia-cudnn-cu13"\nversion = "9.16.0.29"\nindex = "pypi"\nstep = 1\n\n'
+    block = ('[[stacks."sglang-0.5.9".packages]]\nname = "nvidia-cudnn-cu13"\nversion = "9.16.0.29"\n'
+             'index = "pypi"\nstep = 1\n\n')
     assert block in text
     (tmp_path / "stack.toml").write_text(text.replace(block, ""))
     assert resolution("kimi-k2.5-eagle3", str(tmp_path / "stack.toml"))["nvidia-cudnn-cu13"] == "9.13.0.50"

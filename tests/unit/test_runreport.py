@@ -10,7 +10,8 @@ from servestack import runreport
 
 
 def test_each_long_step_says_what_the_next_run_does_and_others_get_the_general_answer():
-    assert "the build goes on on the host" in runreport.next_run_for("ML environment: build release | Build release r-1")
+    assert "the build goes on on the host" in runreport.next_run_for(
+        "ML environment: build release | Build release r-1")
     assert "the build goes on" in runreport.next_run_for("ML environment: build release")  # names differ per host
     assert "health gate goes on" in runreport.next_run_for("SGLang service | Health-gated restart of sglang.service")
     assert "installer goes on" in runreport.next_run_for("CUDA toolkit | CUDA 13.0.1 at /usr/local/cuda-13.0")
@@ -31,7 +32,8 @@ def test_recap_lines_name_status_counts_release_service_and_reason():
 
 def test_a_run_that_would_ask_with_stdin_closed_is_refused_with_a_message(tmp_path):
     with open(os.devnull) as null:
-        assert "standard input is closed" in runreport.prompt_problem(["pyinfra", "inv.py", "deploy.py"], {}, null.fileno())
+        assert "standard input is closed" in runreport.prompt_problem(["pyinfra", "inv.py", "deploy.py"], {},
+                                                                      null.fileno())
         assert runreport.prompt_problem(["pyinfra", "-y", "inv.py", "deploy.py"], {}, null.fileno()) is None
         assert runreport.prompt_problem(["pyinfra", "inv.py", "deploy.py", "--dry"], {}, null.fileno()) is None
         assert runreport.prompt_problem(["pyinfra", "inv.py", "deploy.py"], {"PYINFRA_YES": "1"}, null.fileno()) is None

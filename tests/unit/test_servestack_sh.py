@@ -1,4 +1,5 @@
-"""`./servestack.sh test` runs only where the suite can: on the sandbox hosts' Python (README's quick start)."""
+"""`./servestack.sh test` runs only where the suite can: on the sandbox hosts' Python (README's quick start);
+`./servestack.sh lint` (ruff and mypy, run by .ci/run) passes on the tree."""
 
 from __future__ import annotations
 
@@ -40,3 +41,10 @@ def test_the_sandbox_finds_servestack_sh_s_own_uv_without_it_on_path():
                          text=True, timeout=120, env={**os.environ, "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == str(ROOT / ".tools" / "bin" / "uv")
+
+
+def test_lint_runs_ruff_and_mypy_and_both_pass():
+    run = subprocess.run([str(ROOT / "servestack.sh"), "lint"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "All checks passed!" in run.stdout                      # ruff
+    assert "Success: no issues found" in run.stdout                # mypy

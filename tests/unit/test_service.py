@@ -66,7 +66,8 @@ def test_the_unit_gives_up_on_a_server_that_keeps_crashing_while_it_loads():
     assert "StartLimitIntervalSec=5430\n" in unit_section and "StartLimitBurst=3\n" in unit_section
     assert "RestartSec=10\n" in text and "Restart=on-failure\n" in text
     bigger = settings(service_start_limit_burst=5, service_start_timeout_s=600)
-    assert "StartLimitIntervalSec=3050\n" in service.render_unit(bigger, service.release(bigger, "r-0123456789ab"), None)
+    unit = service.render_unit(bigger, service.release(bigger, "r-0123456789ab"), None)
+    assert "StartLimitIntervalSec=3050\n" in unit
 
 
 def test_host_data_changes_flags_and_appends_extra_arguments():
@@ -90,7 +91,8 @@ def test_the_stand_in_parses_exactly_what_the_unit_passes():
 @pytest.mark.parametrize("data, expected", [
     ({"service_tp": 3}, "'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 3"),
     ({"service_tp": 0}, "'service_tp': expected an integer from 1 to 64, got 0"),
-    ({"service_speculative_num_draft_tokens": 5}, "expected speculative_num_steps + 1 = 4 when speculative_eagle_topk is 1, got 5"),
+    ({"service_speculative_num_draft_tokens": 5},
+     "expected speculative_num_steps + 1 = 4 when speculative_eagle_topk is 1, got 5"),
     ({"service_port": "30000"}, "'service_port': expected an integer from 1 to 65535"),
     ({"service_enable_torch_symm_mem": "yes"}, "'service_enable_torch_symm_mem': expected true or false"),
     ({"service_speculative_algorithm": "eagle3"}, "'service_speculative_algorithm': expected one of"),
@@ -107,9 +109,11 @@ def test_the_stand_in_parses_exactly_what_the_unit_passes():
     ({"service_env": {"NCCL_DEBUG": "INFO\nX=1"}}, "'service_env': expected a dict of environment variable names to "
                                                     "single-line string values"),
     ({"service_env": {"NCCL_P2P_DISABLE": True}}, "'service_env': expected a dict of environment variable names"),
-    ({"service_extra_args": ["--served-model-name", ""]}, "'service_extra_args': expected a list of non-empty arguments"),
+    ({"service_extra_args": ["--served-model-name", ""]},
+     "'service_extra_args': expected a list of non-empty arguments"),
     ({"service_extra_args": ["--y\r"]}, "'service_extra_args': expected a list of non-empty arguments without control"),
-    ({"service_launch_module": "sglang.launch_server --evil"}, "'service_launch_module': expected a python module name"),
+    ({"service_launch_module": "sglang.launch_server --evil"},
+     "'service_launch_module': expected a python module name"),
     ({"cuda_install_path": "/usr/local/cuda-13.0\r"}, "'cuda_install_path': expected an absolute path"),
 ])
 def test_settings_refuse_bad_values_naming_host_and_key(data, expected):

@@ -213,9 +213,8 @@ def test_the_table_when_not_a_terminal_shows_every_cell_whole(settings):
     out = io.StringIO()
     console = report_console(file=out)
     assert console.width == UNCUT_WIDTH
-    render_table({"h1": converged, "h2": rolled_back, "h3": never,
-                  "h4": status.unreachable_status("cannot run the probes on h4 (ssh://10.0.0.4): Connection timed out")},
-                 console)
+    unreachable = status.unreachable_status("cannot run the probes on h4 (ssh://10.0.0.4): Connection timed out")
+    render_table({"h1": converged, "h2": rolled_back, "h3": never, "h4": unreachable}, console)
     text = out.getvalue()
     assert "servestack status (nothing was changed)" in text
     for column in ("active release", "kept releases", "last run", "service", "speculation"):

@@ -111,7 +111,8 @@ def test_no_version_json_is_refused_unless_accepted():
 
 
 def test_accept_never_covers_another_nvcc():
-    verdict = assess_install(settings(cuda_existing_toolkit="accept"), tree(nvcc="12.8.93", vj=version_json("12.8.1", "12.8.93")))
+    verdict = assess_install(settings(cuda_existing_toolkit="accept"),
+                             tree(nvcc="12.8.93", vj=version_json("12.8.1", "12.8.93")))
     assert verdict.refused and "12.8" in verdict.detail
 
 

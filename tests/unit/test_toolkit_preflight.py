@@ -81,6 +81,18 @@ def test_a_ready_host_passes_every_check():
     assert by_name(checks)["link"].detail == "/usr/local/cuda stays -> cuda-12.8"
 
 
+def test_unread_toolkits_refuse_the_host_and_skip_what_judges_them():
+    read = facts()
+    unread = PreflightFacts(gpu=read.gpu, disks=read.disks, lock=read.lock, toolkit=None)
+    checks = by_name(evaluate(settings(), unread, "run-1"))
+    assert list(checks) == list(CHECKS)
+    assert checks["install_path"].status == "fail"
+    assert "cannot read the CUDA toolkits on the host (/usr/local/cuda-13.0" in checks["install_path"].detail
+    assert {name: checks[name].status for name in ("runfile", "disk", "link", "kept_toolkits")} == {
+        "runfile": "skip", "disk": "skip", "link": "skip", "kept_toolkits": "skip"}
+    assert checks["lock"].status == "ok"
+
+
 def test_problems_are_one_line_each():
     checks = evaluate(settings(), facts(gpu=blackwell(cap="9.0", driver="570.86.10"), avail=GB), "run-1")
     problems = problems_of(checks)
@@ -336,14 +348,16 @@ def test_the_lock_names_its_sshd_session_and_takes_and_releases_without_helper_p
     shutil.copy(os.path.realpath(shutil.which("sh")), fake_sshd)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
     # the fake sshd runs the take in a child shell (a second command keeps it from exec'ing it)
-    run = subprocess.run([str(fake_sshd), "-c", 'sh -c "$1"; echo "sshd $$"', "sshd", take_lock_command(str(state), "run-A", "ctl:1", "T")],
+    run = subprocess.run([str(fake_sshd), "-c", 'sh -c "$1"; echo "sshd $$"', "sshd",
+                          take_lock_command(str(state), "run-A", "ctl:1", "T")],
                          capture_output=True, text=True, env=env)
     assert run.stdout.startswith("taken\n"), run.stderr
     sshd_pid = int(run.stdout.split("sshd ")[1])
     lock = json.loads((state / "lock").read_text())
     assert lock["pid"] == sshd_pid and lock["owner_start"].isdigit()
     assert lock["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    released = subprocess.run(["sh", "-c", release_lock_command(str(state), "run-A")], capture_output=True, text=True, env=env)
+    released = subprocess.run(["sh", "-c", release_lock_command(str(state), "run-A")],
+                              capture_output=True, text=True, env=env)
     assert released.stdout == "released\n"
     assert sorted(log.read_text().split()) == ["flock", "flock", "mv", "rm"]
 
@@ -363,7 +377,7 @@ def _read_then_toolkit(seen: dict):
     return read_then_toolkit
 
 
-def test_preflight_reads_the_runfile_digest_and_the_toolkit_step_reuses_that_read(host_lab):
+def test_preflight_reads_the_runfile_digest_and_the_toolkit_step_reuses_that_read(host_lab):  # noqa: F811 (a fixture)
     root, data = host_lab
     staged = root / "srv" / "x.run"
     staged.parent.mkdir()
@@ -378,7 +392,7 @@ def test_preflight_reads_the_runfile_digest_and_the_toolkit_step_reuses_that_rea
         f"pre-staged at {staged}: verified (size, md5, sha256)")
 
 
-def test_preflight_reads_no_digest_without_a_file_to_check_or_an_install_to_make(host_lab):
+def test_preflight_reads_no_digest_without_a_file_to_check_or_an_install_to_make(host_lab):  # noqa: F811 (a fixture)
     root, data = host_lab
     seen: dict = {}
     fresh = fake_state(data)                                  # nothing cached yet: a download is planned

@@ -295,10 +295,10 @@ GCC_REFUSAL = "[ERROR]: unsupported compiler version: 16.1.0. Use --override to 
 def fake_runfile(lab: Path, mode: str) -> bytes:
     """A runfile standing in for NVIDIA's (run as `sh FILE FLAGS...`): records how it was run (its
     arguments, TMPDIR, DISPLAY, LANG and LC_ALL), crashes on any earlier
-    /tmp/cuda-installer.log (here installer_tmp_log(lab); the real one: on one it cannot replace), then installs (normal), fails midway
-    re-pointing the link (fail), leaves an nvcc that cannot run (broken) or one of another version
-    (other), writes its log to the tmp log and installs (tmplog), or fails the real installer's
-    compiler check there, with its wording, unless given --override (gcc)."""
+    /tmp/cuda-installer.log (here installer_tmp_log(lab); the real one: on one it cannot replace), then
+    installs (normal), fails midway re-pointing the link (fail), leaves an nvcc that cannot run (broken)
+    or one of another version (other), writes its log to the tmp log and installs (tmplog), or fails the
+    real installer's compiler check there, with its wording, unless given --override (gcc)."""
     nvcc = {"broken": "exit 126", "other": "echo 'Cuda compilation tools, release 12.8, V12.8.93'"}.get(
         mode, f"echo '{NVCC_13}'")
     failing = (f"ln -sfn \"$p\" {lab}/cuda; echo '[ERROR]: Install of CUDA Toolkit 13.0 failed, quitting' >> "

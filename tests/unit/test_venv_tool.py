@@ -495,7 +495,8 @@ def test_a_mirror_serving_other_bytes_under_the_same_name_is_refused_by_the_stac
         server.shutdown()
     assert refused[0] == 1 and (
         "the resolution differs from the stack's hashes fixed in /srv/locks/sglang-0.5.9-py3.11.json (a mirror cannot "
-        f"change what is installed): torch 2.9.1+cu130: the index lists a file it does not have ({other})") in refused[2]
+        f"change what is installed): torch 2.9.1+cu130: the index lists a file it does not have ({other})"
+    ) in refused[2]
     assert installed[0] == 0, installed[2]
     site = next(Path(second.dir, "venv", "lib").glob("python3*/site-packages"))
     assert (site / "torch" / "_served_by_a_mirror.py").exists()

@@ -304,7 +304,8 @@ def _results_of_a_fleet(hosts=("n1", "n2", "n3", "n4", "n5", "n6", "n7", "n8")) 
         for package in PACKAGES:
             results.add(f"package_version[{package}]", host, PASSED, "")
         results.add("service_active", host, FAILED, LONG_REASON.replace("n1", host))
-        results.add("cuda_sample", host, SKIPPED, f"no /dev/nvidiactl on {host}: no GPU device the CUDA runtime could open")
+        results.add("cuda_sample", host, SKIPPED,
+                    f"no /dev/nvidiactl on {host}: no GPU device the CUDA runtime could open")
     results.add("package_version[torch]", "n2", FAILED, "torch 2.9.1+cu128 on n2, expected 2.9.1+cu130")
     return results
 
@@ -389,7 +390,9 @@ def test_read_all_reads_each_host_and_names_the_one_that_cannot_be_read(tmp_path
 def test_reports_other_than_verify_refuse_this_machine_unless_allowed(tmp_path):
     path = tmp_path / "inventory.py"
     path.write_text('hosts = [("localhost", {}), ("@local", {"servestack_allow_local": True}), ("10.0.0.1", {})]\n')
-    with pytest.raises(ConfigError, match=r"cannot read the hosts' status:\nhost localhost: 'localhost' is this machine"):
+    refusal = r"cannot read the hosts' status:\nhost localhost: 'localhost' is this machine"
+    with pytest.raises(ConfigError, match=refusal):
         targets_from_inventory(path, action="read the hosts' status", local=False)
-    assert [target.name for target in targets_from_inventory(path, "@local,10.*", local=False)] == ["@local", "10.0.0.1"]
+    limited = targets_from_inventory(path, "@local,10.*", local=False)
+    assert [target.name for target in limited] == ["@local", "10.0.0.1"]
     assert len(targets_from_inventory(path)) == 3  # the verification suite checks wherever it is pointed

@@ -202,7 +202,8 @@ def test_the_h200_fails_the_sm120_expectations_naming_the_gpu(h200):
     assert capability.status == FAILED
     assert capability.detail == ("expected compute capability 12.0 on h200: "
                                  "GPU 0 (NVIDIA H200, 00000000:00:06.0) reports 9.0")
-    assert outcome("gpu_count", settings, readings).detail == "nvidia-smi lists 1 GPU(s) on h200, host data gpu_count is 8"
+    assert outcome("gpu_count", settings, readings).detail == (
+        "nvidia-smi lists 1 GPU(s) on h200, host data gpu_count is 8")
 
 
 def test_driver_versions_compare_as_versions_not_strings(h200):
@@ -360,8 +361,9 @@ def test_the_sample_reports_compiler_failures_and_fails_without_a_gpu_device(h20
                                                                "nvcc fatal : cannot find g++\nnvcc failed"))
     assert result.status == FAILED and "cannot find g++" in result.detail
     no_node = outcome("cuda_sample", settings, sample_read(4, "no /dev/nvidiactl"))
-    assert (no_node.status, no_node.detail) == (FAILED, "no /dev/nvidiactl on h200, host data expects gpu_count = 1: "
-                                                "the NVIDIA kernel module made no device node the CUDA runtime could open")
+    assert (no_node.status, no_node.detail) == (
+        FAILED, "no /dev/nvidiactl on h200, host data expects gpu_count = 1: "
+                "the NVIDIA kernel module made no device node the CUDA runtime could open")
 
 
 def test_the_sample_source_checks_launch_errors_and_every_result():
@@ -479,7 +481,8 @@ def test_the_python_probe_runs_in_the_venv_and_reports_what_is_missing(h200, tmp
     readings = h200.read(settings, "python")
     assert outcome("torch_cuda_build", settings, readings).detail.endswith("is built for CUDA 12.8, expected 13.0")
     assert "torch 2.9.1+cu128 in" in outcome("package_version", settings, readings, "torch").detail
-    assert "flashinfer-python is not installed" in outcome("package_version", settings, readings, "flashinfer-python").detail
+    flashinfer = outcome("package_version", settings, readings, "flashinfer-python")
+    assert "flashinfer-python is not installed" in flashinfer.detail
     assert outcome("torch_cuda_op", settings, readings).detail == (
         "torch.cuda.is_available() is False on h200, host data expects gpu_count = 1: "
         "CUDA initialization: Found no NVIDIA driver")   # the warning, as verify-python.py caught it
@@ -589,7 +592,8 @@ def documented_environment(settings, release: str = "r-0123456789ab") -> dict:
     cache = f"/var/cache/servestack/flashinfer/13.0.1-{release}"
     return {"CUDA_HOME": cuda, "CUDA_PATH": cuda,
             "PATH": f"{cuda}/bin:{venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "LD_LIBRARY_PATH": f"{cuda}/lib64", "FLASHINFER_WORKSPACE_BASE": cache, "TRITON_CACHE_DIR": f"{cache}/triton",
+            "LD_LIBRARY_PATH": f"{cuda}/lib64", "FLASHINFER_WORKSPACE_BASE": cache,
+            "TRITON_CACHE_DIR": f"{cache}/triton",
             "SGLANG_DG_CACHE_DIR": f"{cache}/deep_gemm", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
             "HOME": "/var/lib/sglang", "SERVESTACK_RELEASE": release, "SERVESTACK_PATCHSET": "digest",
             **settings.service_env}
@@ -618,7 +622,8 @@ def test_a_converged_service_passes(h200):
 def test_a_stopped_service_fails(h200):
     settings = h200.settings()
     result = outcome("service_active", settings, service_read(settings, active="inactive"))
-    assert result.detail == "sglang.service on h200 must be enabled and active: UnitFileState=enabled, ActiveState=inactive/running"
+    assert result.detail == ("sglang.service on h200 must be enabled and active: "
+                             "UnitFileState=enabled, ActiveState=inactive/running")
 
 
 def test_a_service_systemd_gave_up_on_is_named_so(h200):
@@ -635,8 +640,8 @@ def test_a_service_systemd_gave_up_on_is_named_so(h200):
 
 def test_the_live_environment_must_be_the_pinned_cuda_13_one(h200):
     settings = h200.settings(service_env={"NCCL_P2P_DISABLE": "1"})
-    readings = service_read(settings, env={"LD_LIBRARY_PATH": f"/usr/local/cuda-12.8/lib64:{settings.cuda_install_path}/lib64",
-                                            "NCCL_P2P_DISABLE": "0"})
+    library_path = f"/usr/local/cuda-12.8/lib64:{settings.cuda_install_path}/lib64"
+    readings = service_read(settings, env={"LD_LIBRARY_PATH": library_path, "NCCL_P2P_DISABLE": "0"})
     result = outcome("service_environment", settings, readings)
     assert result.status == FAILED
     assert "another toolkit is on the search paths: /usr/local/cuda-12.8/lib64" in result.detail
@@ -722,7 +727,8 @@ def test_health_and_generate_need_200_and_text(h200):
         return Readings("h200", host=HostReport(systemd=True), http=Section(0, (line,)))
 
     assert outcome("service_health", settings, http(health=200)).passed
-    assert outcome("service_health", settings, http(health=503)).detail == "GET http://127.0.0.1:30000/health on h200: 503"
+    assert outcome("service_health", settings, http(health=503)).detail == (
+        "GET http://127.0.0.1:30000/health on h200: 503")
     assert outcome("service_generate", settings, http(generate_status=200, generate_text=" Paris.")).passed
     assert "text ''" in outcome("service_generate", settings, http(generate_status=200, generate_text="")).detail
 
@@ -925,7 +931,7 @@ def device_readings(*groups: str) -> Readings:
                  *(f"toolkit_path\t{line}" for line in host["toolkit_path"].lines),
                  *host["release"].lines, f"systemd\t{host['systemd'].text}", f"unit_exit\t{host['service'].rc}",
                  *(f"unit\t{line}" for line in host["service"].lines if host["service"].ok),
-                 *([f"pid\t0", *host["service_process"].lines] if host["service_process"].ok else []),
+                 *(["pid\t0", *host["service_process"].lines] if host["service_process"].ok else []),
                  *([line.replace("names", "unit_secret_names").replace("values", "unit_secret_values")
                     for line in host["unit_secrets"].lines] if host["unit_secrets"].ok else ["unit_files\tunreadable"]),
                  f"secrets_file\t{host['secrets_file'].text}"]
@@ -951,7 +957,8 @@ def test_the_real_h200_fails_the_fleets_expectations_where_it_should():
     # PyPI's torch 2.11.0 carries no local label: it is not the pinned +cu130 build
     assert outcome("package_version", settings, readings, "torch").detail == (
         "torch 2.11.0 in /opt/torch/.venv on @local, expected 2.9.1+cu130")
-    assert outcome("service_active", settings, readings).detail == "systemd is not running on @local (no /run/systemd/system)"
+    assert outcome("service_active", settings, readings).detail == (
+        "systemd is not running on @local (no /run/systemd/system)")
     refused = device_settings(cuda_existing_toolkit="refuse")
     assert "cannot be confirmed as CUDA 13.0.1" in outcome("version_json", refused, readings).detail
 
@@ -963,7 +970,8 @@ def test_the_sample_must_run_on_every_gpu_the_host_data_expects():
     assert outcome("cuda_sample", device_settings(), sample_read(0, body)).passed   # gpu_count = 1, as the host has
     result = outcome("cuda_sample", device_settings(gpu_count=8), sample_read(0, body))
     assert result.status == FAILED
-    assert result.detail.startswith("the CUDA sample ran on 1 device(s) on h200, expected gpu_count = 8: device 0 sm_90")
+    assert result.detail.startswith(
+        "the CUDA sample ran on 1 device(s) on h200, expected gpu_count = 8: device 0 sm_90")
 
 
 def test_the_sample_built_for_the_wrong_architecture_fails_on_the_real_h200():

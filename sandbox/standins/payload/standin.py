@@ -15,6 +15,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from typing import Any
 
 # Names a placeholder must not have: asking for them is how Python and libraries probe an object
 # (a real CUDA torch has no torch.npu, torch.hpu or torch.musa).
@@ -146,7 +147,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install(module_name):
     """Make module `module_name` answer undefined names with placeholders, and its undefined
     submodules with placeholder modules."""
-    finder = next((finder for finder in sys.meta_path if getattr(finder, "servestack_standin", False)), None)
+    # a _Finder, maybe another copy's class
+    finder: Any = next((finder for finder in sys.meta_path if getattr(finder, "servestack_standin", False)), None)
     if finder is None:   # one finder for every stand-in package, whichever copy of this file installs it
         finder = _Finder()
         sys.meta_path.insert(0, finder)

@@ -38,8 +38,10 @@ def gpus():
 def driver_gpus():
     """The stand-in nvidia-smi's GPUs; () when there is none or it does not answer."""
     path = shutil.which("nvidia-smi")
+    if path is None:
+        return ()
     try:
-        with open(path or "", errors="replace") as script:
+        with open(path, errors="replace") as script:
             if STANDIN_SMI_MARK not in script.read(8192):
                 return ()
         answer = subprocess.run([path, "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
