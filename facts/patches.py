@@ -2,9 +2,9 @@
 
 Patch sets live in files/patches/<package>/<version>/: NNNN-name.patch files (applied
 in name order) and an optional checks.py (see files/patches/sglang/0.5.9/checks.py).
-The fact ships servestack/patchlib.py and every set of the package to the environment's python
-as an inline script; the script reads the installed version, picks that version's set and prints
-one JSON object (see patchlib.remote_main).
+The fact runs servestack/patchlib.py with the environment's python (files/scripts/patch-check.sh,
+which carries it: servestack/scripts.py), every set of the package its argument; the engine reads
+the installed version, picks that version's set and prints one JSON object (see patchlib.main).
 
 A set found in place leaves sums beside its record (patchlib `sums_path`): the sha256 of every file
 that check read. files/scripts/patch-check.sh confirms them with `sha256sum -c` first and, while
@@ -27,7 +27,6 @@ from servestack import patchlib
 from servestack.patchsets import PATCH_ROOT, load_patch_sets
 from servestack.scripts import atomic_write_command, script_command
 
-HEREDOC_END = "SERVESTACK_PATCHES_EOF"
 SCRIPT = "patch-check.sh"
 SUMS_HOLD = "servestack-patch-sums-hold"  # patch-check.sh's first line when the sums hold
 
@@ -52,38 +51,25 @@ def set_digests(sets: dict, engine: str) -> dict[str, str]:
 
 def remote_command(python: str, mode: str, package: str, record_path: str | None, patch_root: str | Path,
                    quick: bool = True) -> str:
-    """The shell command running patchlib.remote_main with the environment's python.
+    """The shell command running patchlib.main with the environment's python.
 
-    files/scripts/patch-check.sh runs `python -I -` on a quoted heredoc: no local paths or
-    environment leak in, and the payload needs no shell quoting: the code and patch sets (base64
-    of zlib-compressed JSON, the same for every host, packed once per run) and this call's mode and
-    paths (JSON, base64). A missing interpreter prints `installed: False, python_missing: True`.
-    A check with a record path first confirms the sums a set in place left (see the module
-    docstring), unless `quick` is False.
+    files/scripts/patch-check.sh runs `python -I -c ENGINE SETS REQUEST`: the patch sets and their
+    digests (base64 of zlib-compressed JSON, the same for every host, packed once per run) and this
+    call's mode and paths (JSON, base64). A missing interpreter prints `installed: False,
+    python_missing: True`. A check with a record path first confirms the sums a set in place left
+    (see the module docstring), unless `quick` is False.
     """
-    sets, engine = load_patch_sets(package, patch_root), engine_source()
-    digests = set_digests(sets, engine)
-    shared = json.dumps({"sets": sets, "digests": digests, "engine": engine})
-    own = json.dumps({"mode": mode, "package": package, "record_path": record_path})
-    script = "\n".join(
-        [
-            f"# servestack patches: {mode} {package}",
-            "import base64, json, sys, types, zlib",
-            f"payload = json.loads(zlib.decompress(base64.b64decode('{_packed(shared)}')))",
-            f"payload.update(json.loads(base64.b64decode('{base64.b64encode(own.encode()).decode()}')))",
-            "engine = types.ModuleType('servestack_patchlib')",
-            "sys.modules[engine.__name__] = engine",
-            "exec(compile(payload['engine'], 'servestack/patchlib.py', 'exec'), engine.__dict__)",
-            "sys.exit(engine.remote_main(payload))",
-        ]
-    )
+    sets = load_patch_sets(package, patch_root)
+    digests = set_digests(sets, engine_source())
+    shared = json.dumps({"sets": sets, "digests": digests})
+    request = json.dumps({"mode": mode, "package": package, "record_path": record_path})
     absent = json.dumps({"python": python, "package": package, "installed": False, "python_missing": True})
     quick = quick and mode == "check" and bool(record_path)
     headers = dict.fromkeys(f"{patchlib.SUMS_HEADER} {digest}" for digest in digests.values())
     env = {"PYTHON": python, "ABSENT": absent, "RECORD": record_path or "",
            "SUMS": patchlib.sums_path(record_path) if quick and record_path else "", "HEADERS": "\n".join(headers),
            "HOLD": SUMS_HOLD}
-    return f"{script_command(SCRIPT, env=env)} <<'{HEREDOC_END}'\n{script}\n{HEREDOC_END}"
+    return script_command(SCRIPT, _packed(shared), base64.b64encode(request.encode()).decode(), env=env)
 
 
 def sums_write_command(record_path: str, sums: str) -> str:

@@ -11,14 +11,26 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import shlex
 
 from pyinfra.api import FactBase
 
 from facts.framing import Section, split
-from servestack.releases import RELEASE_ID, guarded_tool_command
-from servestack.scripts import script_command
+from servestack.releases import RELEASE_ID, TOOL, encode
+from servestack.scripts import python_script_command, script_command
 
 HISTORY_KEY = "activations"
+
+
+def tool_command(python: str, command: str, params: dict) -> str:
+    """The venv step's host tool (files/scripts/ml_env.py, stdlib only) running `command` with
+    `params` (base64 JSON): `python -I -S -c TOOL COMMAND PARAMS` (servestack/scripts.py)."""
+    return python_script_command(python, TOOL, command, encode(params), site=False)
+
+
+def guarded_tool_command(python: str, command: str, params: dict) -> str:
+    """A tool command that prints nothing (instead of failing) when the host has no `python`."""
+    return f"if command -v {shlex.quote(python)} >/dev/null 2>&1; then {tool_command(python, command, params)}; fi"
 
 
 class MlEnvState(FactBase):

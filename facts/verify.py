@@ -29,7 +29,7 @@ from facts.service import UNIT_PROPERTIES
 from servestack.manifest import PROJECT_ROOT
 from servestack.patchsets import PATCH_ROOT
 from servestack.paths import PATCH_RECORDS
-from servestack.scripts import script_command, script_text
+from servestack.scripts import python_script_command, script_command
 
 # What starts the report line of the python probes (files/scripts/verify-python.py, verify-http.py).
 MARK = "::servestack-verify::"
@@ -73,10 +73,8 @@ class VerifyPython(_Reported):
 
     def command(self, python: str, packages: tuple[str, ...]) -> str:
         py = shlex.quote(python)
-        probe = shlex.quote(script_text("verify-python.py"))
-        names = shlex.quote(json.dumps(list(packages)))
-        return reporting(f"if [ -x {py} ]; then {py} -I -c {probe} {shlex.quote(MARK)} {names}; "
-                         f"else echo 'no python at '{py}; exit 127; fi")
+        probe = python_script_command(python, "verify-python.py", MARK, json.dumps(list(packages)))
+        return reporting(f"if [ -x {py} ]; then {probe}; else echo 'no python at '{py}; exit 127; fi")
 
 
 class CudaSample(_Reported):
@@ -90,8 +88,7 @@ class CudaSample(_Reported):
 
     def command(self, nvcc: str, work_parent: str) -> str:
         return reporting(script_command("verify-sample.sh", env={
-            "NVCC": nvcc, "WORK_PARENT": work_parent, "SOURCE": SAMPLE_SOURCE.read_text(),
-            "SMI_TIMEOUT": SMI_TIMEOUT_S}))
+            "NVCC": nvcc, "WORK_PARENT": work_parent, "SMI_TIMEOUT": SMI_TIMEOUT_S}))
 
 
 class PatchCheck(_Reported):
@@ -119,8 +116,7 @@ class ServiceHttp(_Reported):
 
     def command(self, python: str, url: str, request: str = "") -> str:
         return reporting(script_command("verify-http.sh", env={
-            "URL": url, "MARK": MARK, "PYTHON": python, "PROBE": script_text("verify-http.py"),
-            "REQUEST": request}))
+            "URL": url, "MARK": MARK, "PYTHON": python, "REQUEST": request}))
 
 
 @dataclass(frozen=True)

@@ -48,12 +48,13 @@ from operations.toolkit import (
 from servestack import reads
 from servestack.checks.gpus import GpuExpectation
 from servestack.hostrun import (
+    REFUSED,
     controller_id,
+    fail_host,
     is_executing,
     lock_released,
     noop,
     refuse,
-    refuse_now,
     release_lock_on_failure,
     run_id,
     run_remote,
@@ -67,7 +68,7 @@ CHECKS = ("driver", "gpus", "compute_capability", "arch", "install_path", "runfi
 
 
 @dataclass(frozen=True)
-class Check:
+class CheckResult:
     """One check's result: status is "ok", "warn" (reported, not refused), "fail" or "skip"."""
 
     name: str
@@ -76,12 +77,12 @@ class Check:
     problems: tuple[str, ...] = ()
 
 
-def _ok(name: str, detail: str) -> Check:
-    return Check(name, "ok", detail)
+def _ok(name: str, detail: str) -> CheckResult:
+    return CheckResult(name, "ok", detail)
 
 
-def _fail(name: str, *problems: str) -> Check:
-    return Check(name, "fail", "; ".join(problems), tuple(problems))
+def _fail(name: str, *problems: str) -> CheckResult:
+    return CheckResult(name, "fail", "; ".join(problems), tuple(problems))
 
 
 def host_reads(settings: Settings, release=None) -> list[FactRequest]:
@@ -115,7 +116,7 @@ def read_preflight(host_, settings: Settings, also: Sequence[FactRequest] = (), 
                           runfile_digest=runfile_digest)
 
 
-def check_driver(settings: Settings, gpu: GpuReport) -> Check:
+def check_driver(settings: Settings, gpu: GpuReport) -> CheckResult:
     minimum = settings.manifest.cuda["min_driver"]
     if gpu.driver_version is None:
         return _fail("driver", f"no NVIDIA driver answers ({gpu.error or 'unknown'}); CUDA "
@@ -131,7 +132,7 @@ def check_driver(settings: Settings, gpu: GpuReport) -> Check:
     return _ok("driver", f"{gpu.driver_version} >= {minimum}")
 
 
-def check_gpus(settings: Settings, gpu: GpuReport) -> Check:
+def check_gpus(settings: Settings, gpu: GpuReport) -> CheckResult:
     if gpu.error:
         return _fail("gpus", gpu.error)
     if not gpu.gpus:
@@ -142,10 +143,10 @@ def check_gpus(settings: Settings, gpu: GpuReport) -> Check:
     return _ok("gpus", f"{len(gpu.gpus)} x {', '.join(names)}")
 
 
-def check_compute_capability(settings: Settings, gpu: GpuReport) -> Check:
+def check_compute_capability(settings: Settings, gpu: GpuReport) -> CheckResult:
     want = settings.gpu_compute_capability
     if not gpu.gpus:
-        return Check("compute_capability", "skip", "no GPU to check")
+        return CheckResult("compute_capability", "skip", "no GPU to check")
     differ = GpuExpectation.of(settings).other_capability(gpu)
     if differ:
         listed = ", ".join(f"{g.describe()} is {g.compute_cap}" for g in differ)
@@ -155,7 +156,7 @@ def check_compute_capability(settings: Settings, gpu: GpuReport) -> Check:
     return _ok("compute_capability", f"all {len(gpu.gpus)} GPUs are {want}")
 
 
-def check_arch(settings: Settings, facts: PreflightFacts) -> Check:
+def check_arch(settings: Settings, facts: PreflightFacts) -> CheckResult:
     runfiles = settings.manifest.runfiles
     if facts.arch not in runfiles:
         return _fail("arch", f"CPU architecture {facts.arch or 'unknown'} has no runfile in "
@@ -181,7 +182,7 @@ def disk_needs(settings: Settings, facts: PreflightFacts) -> list[tuple[str, int
     return needs
 
 
-def check_disk(settings: Settings, facts: PreflightFacts) -> Check:
+def check_disk(settings: Settings, facts: PreflightFacts) -> CheckResult:
     needs = disk_needs(settings, facts)
     if not needs:
         return _ok("disk", "nothing to install")
@@ -205,7 +206,7 @@ def check_disk(settings: Settings, facts: PreflightFacts) -> Check:
                                  f"needed" for mount, (avail, items) in sorted(per_mount.items())))
 
 
-def check_runfile(settings: Settings, facts: PreflightFacts) -> Check:
+def check_runfile(settings: Settings, facts: PreflightFacts) -> CheckResult:
     """The runfile the install would use: a pre-staged one must verify (size, md5, sha256) or the host
     is refused; a cached one that fails is reported (the toolkit step moves it aside and fetches again).
     Without a digest (not read: no full-size file, or preflight at execute) the install verifies it."""
@@ -214,7 +215,7 @@ def check_runfile(settings: Settings, facts: PreflightFacts) -> Check:
         return _ok("runfile", "not needed")
     source = runfile_source(settings, facts.arch)
     if source is None:
-        return Check("runfile", "skip", "no runfile for this architecture")
+        return CheckResult("runfile", "skip", "no runfile for this architecture")
     if source.mode == "prestaged":
         if digest is None and toolkit.files.get(source.cached) is not None:
             return _ok("runfile", f"pre-staged at {source.cached} (verified before use)")
@@ -229,15 +230,15 @@ def check_runfile(settings: Settings, facts: PreflightFacts) -> Check:
         problem = digest_problem(source.runfile, digest)
         if problem:
             fetch = "uploaded" if source.mode == "controller" else "downloaded"
-            return Check("runfile", "warn", f"cached runfile {source.cached} fails verification ({problem}): "
-                                            f"moved aside and {fetch} again")
+            return CheckResult("runfile", "warn", f"cached runfile {source.cached} fails verification ({problem}): "
+                                                  f"moved aside and {fetch} again")
         return _ok("runfile", f"cached at {source.cached}: verified (size, md5, sha256)")
     if source.mode == "controller":
         return _ok("runfile", f"uploaded from the control machine (downloaded there from {source.runfile.url})")
     return _ok("runfile", f"downloaded from {source.runfile.url}")
 
 
-def check_lock(settings: Settings, facts: PreflightFacts, run: str | None) -> Check:
+def check_lock(settings: Settings, facts: PreflightFacts, run: str | None) -> CheckResult:
     lock, path = facts.lock, lock_path(settings.servestack_state_dir)
     if not lock.present:
         return _ok("lock", "free")
@@ -247,12 +248,12 @@ def check_lock(settings: Settings, facts: PreflightFacts, run: str | None) -> Ch
         return _fail("lock", f"another servestack run holds {path}: {lock.describe()}; {lock.why_alive()}. "
                              "Wait for it to finish (remove the file only if you are sure it is gone)")
     interrupted = f", interrupted during {lock.doing()}" if lock.doing() else ""
-    return Check("lock", "warn", f"the previous run did not finish on this host: stale lock in {path} "
-                                 f"({lock.describe()}{interrupted}; its connection is gone): replaced when "
-                                 "this run takes the lock")
+    return CheckResult("lock", "warn", f"the previous run did not finish on this host: stale lock in {path} "
+                                       f"({lock.describe()}{interrupted}; its connection is gone): replaced when "
+                                       "this run takes the lock")
 
 
-def check_link(settings: Settings, facts: PreflightFacts) -> Check:
+def check_link(settings: Settings, facts: PreflightFacts) -> CheckResult:
     chain = _toolkit(facts).link
     if settings.cuda_link_policy == "new" and chain.kind in ("directory", "file"):
         return _fail("link", f"cuda_link_policy = 'new' but {chain.path} is a {chain.kind}, not a symlink: "
@@ -260,14 +261,14 @@ def check_link(settings: Settings, facts: PreflightFacts) -> Check:
     return _ok("link", link_line(settings, chain)[0])
 
 
-def check_kept(settings: Settings, facts: PreflightFacts) -> Check:
+def check_kept(settings: Settings, facts: PreflightFacts) -> CheckResult:
     missing = [path for path in kept_paths(settings) if not _toolkit(facts).kept.get(path)]
     if missing:
-        return Check("kept_toolkits", "warn", f"not on the host (nothing to protect): {', '.join(missing)}")
+        return CheckResult("kept_toolkits", "warn", f"not on the host (nothing to protect): {', '.join(missing)}")
     return _ok("kept_toolkits", ", ".join(kept_paths(settings)) or "none")
 
 
-def check_install_path(settings: Settings, facts: PreflightFacts) -> Check:
+def check_install_path(settings: Settings, facts: PreflightFacts) -> CheckResult:
     toolkit = _toolkit(facts)
     verdict = assess_install(settings, toolkit.install, toolkit.marker)
     if verdict.refused:
@@ -283,7 +284,7 @@ def _toolkit(facts: PreflightFacts) -> ToolkitState:
     return facts.toolkit
 
 
-def evaluate(settings: Settings, facts: PreflightFacts, run: str | None = None) -> list[Check]:
+def evaluate(settings: Settings, facts: PreflightFacts, run: str | None = None) -> list[CheckResult]:
     """Every check, in CHECKS order. Checks that need a known architecture are skipped without one;
     without the toolkits read, install_path fails and the checks that judge them are skipped."""
     checks = [check_driver(settings, facts.gpu), check_gpus(settings, facts.gpu),
@@ -293,20 +294,20 @@ def evaluate(settings: Settings, facts: PreflightFacts, run: str | None = None) 
         return checks + [_fail("install_path", f"cannot read the CUDA toolkits on the host "
                                                f"({settings.cuda_install_path}, its link and the runfile): "
                                                "run again; if it persists, run servestack doctor"),
-                         *(Check(name, "skip", unread) for name in ("runfile", "disk")),
+                         *(CheckResult(name, "skip", unread) for name in ("runfile", "disk")),
                          check_lock(settings, facts, run),
-                         *(Check(name, "skip", unread) for name in ("link", "kept_toolkits"))]
+                         *(CheckResult(name, "skip", unread) for name in ("link", "kept_toolkits"))]
     arch_known = checks[-1].status == "ok"
     checks.append(check_install_path(settings, facts))
     if arch_known:
         checks += [check_runfile(settings, facts), check_disk(settings, facts)]
     else:
-        checks += [Check("runfile", "skip", "unknown architecture"), Check("disk", "skip", "unknown architecture")]
+        checks += [CheckResult(name, "skip", "unknown architecture") for name in ("runfile", "disk")]
     checks += [check_lock(settings, facts, run), check_link(settings, facts), check_kept(settings, facts)]
     return checks
 
 
-def problems_of(checks: list[Check]) -> list[str]:
+def problems_of(checks: list[CheckResult]) -> list[str]:
     return [problem for check in checks if check.status == "fail" for problem in check.problems]
 
 
@@ -397,8 +398,7 @@ def preflight(reads: Sequence[FactRequest] = (), decides: Sequence[FactRequest] 
     checks = evaluate(settings, read_preflight(host, settings, list(wanted)), run_id(host.state))
     problems = problems_of(checks)
     if problems:
-        refuse_now(host, problems)
-        return False
+        return fail_host(host, REFUSED, problems)
     for check in checks:
         if check.status == "warn":
             host.log(f"preflight {check.name}: {check.detail}")

@@ -56,7 +56,7 @@ from operations.patches import patchset_digest
 from operations.venv import mlenv_fact_arguments
 from servestack import reads
 from servestack.errors import ConfigError
-from servestack.hostrun import noop, parse_stamp, plan, refuse, refuse_now, while_busy
+from servestack.hostrun import REFUSED, fail_host, noop, parse_stamp, plan, refuse, while_busy
 from servestack.manifest import PROJECT_ROOT
 from servestack.paths import (
     good_unit_path,
@@ -71,7 +71,7 @@ from servestack.paths import (
     unit_path,
 )
 from servestack.pyinfra_hooks import inner
-from servestack.releases import TOOL, Release, encode, release_at
+from servestack.releases import Release, encode, release_at
 from servestack.scripts import atomic_write_command, script
 from servestack.serving import GENERATE_REQUEST, check_url, launch_arguments, service_environment, speculates
 from servestack.settings import Settings, host_settings, secret_variable_problems
@@ -300,7 +300,6 @@ def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
         "SS_PREVIOUS_LABEL": label,
         "SS_PREVIOUS_FINGERPRINT": (record or {}).get("fingerprint") or "",
         "SS_PYTHON": settings.venv_python,
-        "SS_ML_ENV_TOOL": TOOL.read_text(),
         "SS_ROLLBACK_RECORD": encode({"state_dir": settings.servestack_state_dir, "release": previous or "",
                                       "previous": rel.id, "by": "service-rollback",
                                       "only_where_kept": True}),
@@ -680,7 +679,7 @@ def sglang_service(release: Release):
         logger.warning(f"{host.print_prefix}{warning}")
     login = _login_user_problem(settings)
     if login:
-        refuse_now(host, [login])
+        fail_host(host, REFUSED, [login])
         return
     groups = gpu_groups()
     service_user(name=f"Service user {settings.service_user}", settings=settings, groups=groups)

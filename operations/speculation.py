@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shlex
 from dataclasses import dataclass
 
 from pyinfra import host, logger
@@ -44,11 +43,22 @@ from facts.batch import FactRequest
 from facts.service import PatchsetDigest, ServiceRecord, UnitState
 from operations import patches, preflight, service, venv
 from servestack import reads
-from servestack.hostrun import is_executing, noop, refuse, refuse_now, run_id, run_remote, while_busy, write_record
+from servestack.hostrun import (
+    REFUSED,
+    fail_host,
+    is_executing,
+    noop,
+    refuse,
+    run_id,
+    run_remote,
+    said_in,
+    while_busy,
+    write_record,
+)
 from servestack.manifest import PROJECT_ROOT
 from servestack.paths import service_record_path, speculation_record_path, unit_copy_path, unit_path
 from servestack.releases import Release
-from servestack.scripts import atomic_write_command, script_command
+from servestack.scripts import atomic_write_command, python_script_command, script_command
 from servestack.serving import check_url, speculates
 from servestack.settings import Settings, host_settings
 from servestack.speculation_policy import (
@@ -64,7 +74,6 @@ from servestack.speculation_policy import (
 # (servestack/runreport.py matches "health-gated restart").
 BENCHMARK = "Health-gated restarts: speculation benchmark"
 CLIENT = PROJECT_ROOT / "files" / "scripts" / "bench-client.py"
-HEREDOC = "__SERVESTACK_BENCH_CLIENT__"
 
 
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
@@ -92,12 +101,9 @@ def method(settings, runs: int | None = None, concurrency=None) -> dict:
 
 
 def client_command(python: str, params: dict) -> str:
-    """`python -I -S - PARAMS` with files/scripts/bench-client.py on stdin (nothing uploaded; stdlib only)."""
-    script = CLIENT.read_text()
-    if HEREDOC in script:
-        raise AssertionError(f"{CLIENT} must not contain {HEREDOC}")
+    """files/scripts/bench-client.py run by the host's `python` (stdlib only, nothing uploaded)."""
     encoded = base64.b64encode(json.dumps(params, sort_keys=True).encode()).decode()
-    return f"{shlex.quote(python)} -I -S - {encoded} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
+    return python_script_command(python, CLIENT, encoded, site=False)
 
 
 @dataclass(frozen=True)
@@ -173,20 +179,13 @@ def benchmark(settings: Settings, release: Release, on_demand: dict | None = Non
     yield FunctionCommand(_run_benchmark, (job,), {})
 
 
-def _failed(state, host, problems: list[str]) -> bool:
-    """Fail the host now (at execute, inside a FunctionCommand), the way `hostrun.refuse` does."""
-    for command in refuse(host, problems):
-        return command.execute(state, host, {})
-    return False
-
-
 def _start(state, host, job: Job, config: str) -> bool:
     """Write `config`'s unit and start it through the health gate (which rolls back on failure)."""
     settings, text = job.settings, job.units[config]
     ok, _, stderr = run_remote(host, atomic_write_command(unit_path(settings), text, "644"))
     if not ok:
-        return _failed(state, host, [f"could not write the {config} unit {unit_path(settings)}: "
-                                      f"{' '.join(stderr)}; {settings.service_name} was not restarted"])
+        return fail_host(host, REFUSED, [f"could not write the {config} unit {unit_path(settings)}: "
+                                         f"{' '.join(stderr)}; {settings.service_name} was not restarted"])
     environment = service.gate_environment(settings, job.release, service.fingerprint(text, job.secrets_sha),
                                            {"release": job.release.id})
     environment["SS_PREVIOUS_LABEL"] = "the last unit that passed the health gate"
@@ -204,10 +203,10 @@ def _measure(state, host, job: Job, config: str) -> dict | None:
     ok, stdout, stderr = run_remote(host, StringCommand(command))
     results = [line for line in stdout if line.startswith("{")]
     if not ok or not results:
-        said = [line for line in stderr if line.startswith("servestack:")] or stderr[-1:] or ["no output"]
-        _failed(state, host, [f"the benchmark of the {config} configuration failed: {said[0]}; "
-                               f"{settings.service_name} keeps serving the {config} configuration "
-                               "(the last unit that passed the health gate); nothing was recorded"])
+        said = said_in(stderr, nothing="no output")
+        fail_host(host, REFUSED, [f"the benchmark of the {config} configuration failed: {said}; "
+                                  f"{settings.service_name} keeps serving the {config} configuration "
+                                  "(the last unit that passed the health gate); nothing was recorded"])
         return None
     return json.loads(results[-1])
 
@@ -286,8 +285,8 @@ def bench_now(runs: int | None = None, concurrency: list[int] | None = None, req
         return
     release = venv.active_release(settings)
     if release is None:
-        refuse_now(host, [f"{settings.venv_path} is not a servestack release: deploy first "
-                          "(pyinfra INVENTORY deploy.py); nothing was changed"])
+        fail_host(host, REFUSED, [f"{settings.venv_path} is not a servestack release: deploy first "
+                                  "(pyinfra INVENTORY deploy.py); nothing was changed"])
         return
     preflight.lock(reads=_steps_reads(settings, release))
     measure(release=release, on_demand={"runs": runs, "concurrency": concurrency, "request": request})

@@ -47,7 +47,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from packaging.version import Version
-from pyinfra import host, logger
+from pyinfra import host
 from pyinfra.api import FunctionCommand, deploy, operation
 
 from facts.batch import FactRequest
@@ -64,7 +64,18 @@ from facts.toolkit import (
 )
 from servestack import download, reads
 from servestack.checks.toolkit import version_json_problem
-from servestack.hostrun import host_refused, noop, plan, refuse, run_id, run_remote, utc_stamp, while_busy
+from servestack.hostrun import (
+    FAILED,
+    fail_host,
+    host_refused,
+    noop,
+    plan,
+    refuse,
+    run_id,
+    run_remote,
+    utc_stamp,
+    while_busy,
+)
 from servestack.manifest import Runfile
 from servestack.paths import RunfileSource, kept_paths, runfile_source, toolkit_marker_path, toolkits_record_path
 from servestack.scripts import atomic_write_command, script_command
@@ -277,13 +288,12 @@ def reject_command(path: str, reason: str) -> str:
 def _reject_runfile(state, host, path: str, reason: str) -> bool:
     """Move a runfile that failed verification aside now, saying which older rejected copy went."""
     ok, stdout, stderr = run_remote(host, reject_command(path, reason))
-    for line in stdout + stderr:
-        message = line.removeprefix("servestack: ")
-        if ok:
-            host.log(message)
-        else:
-            host.log_styled(message, fg="red", log_func=logger.error)
-    return ok
+    messages = [line.removeprefix("servestack: ") for line in stdout + stderr]
+    if not ok:
+        return fail_host(host, FAILED, messages)
+    for message in messages:
+        host.log(message)
+    return True
 
 
 def download_command(source: RunfileSource, attempts: int = 5, busy: str | None = None) -> str:
@@ -447,8 +457,7 @@ def _check_after_install(state, host, settings: Settings, expected_chain: LinkCh
     fingerprints = {path: host.get_fact(ToolkitFingerprint, path=path) for path in kept_paths(settings)}
     problems = after_install_problems(settings, toolkits, fingerprints, expected_chain)
     if problems:
-        for problem in problems:
-            host.log_styled(f"toolkit check failed: {problem}", fg="red", log_func=logger.error)
+        fail_host(host, FAILED, [f"toolkit check failed: {problem}" for problem in problems])
         host.log(f"every run re-checks until this is resolved: repair the host, or accept what it shows by "
                  f"removing {toolkit_marker_path(settings.servestack_state_dir)}")
         return False
@@ -458,8 +467,7 @@ def _check_after_install(state, host, settings: Settings, expected_chain: LinkCh
     ok, _, stderr = run_remote(host, write_json_command(toolkits_record_path(settings.servestack_state_dir), record)
                                + f" && rm -f {shlex.quote(toolkit_marker_path(settings.servestack_state_dir))}")
     if not ok:
-        host.log_styled(f"could not update toolkits.json: {' '.join(stderr)}", fg="red", log_func=logger.error)
-        return False
+        return fail_host(host, FAILED, [f"could not update toolkits.json: {' '.join(stderr)}"])
     host.log(f"checked: nvcc reports {settings.manifest.cuda['nvcc_version']}, kept toolkits unchanged, "
              f"{toolkits.link.describe()}")
     return True
@@ -472,8 +480,7 @@ def _upload_from_controller(state, host, runfile: Runfile, part: str) -> bool:
         host.log(f"uploading {human_bytes(runfile.size)} from {local}")
         download.upload_to_host(host, local, part, run_remote)
     except download.DownloadError as error:
-        host.log_styled(str(error), fg="red", log_func=logger.error)
-        return False
+        return fail_host(host, FAILED, [str(error)])
     return True
 
 

@@ -36,14 +36,14 @@ from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
 from facts.batch import FactRequest
-from facts.venv import ActivePackages, MlEnvState
+from facts.venv import ActivePackages, MlEnvState, tool_command
 from servestack import hostrun, reads, stack_hashes
 from servestack.errors import ConfigError
-from servestack.hostrun import note, noop, refuse, refuse_now, utc_stamp, while_busy
+from servestack.hostrun import FAILED, REFUSED, fail_host, note, noop, refuse, utc_stamp, while_busy
 from servestack.paths import uv_binary, uv_cache_dir
 from servestack.releases import (
     CHECK, NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
-    release_plan, releases_to_prune, tool_command,
+    release_plan, releases_to_prune,
 )
 from servestack.releases import rollback_target as choose_rollback_target
 from servestack.settings import host_settings
@@ -209,9 +209,7 @@ def _fix_stack_hashes(state, host, settings, release: ReleasePlan, path) -> bool
     params = {"release_dir": release.dir, "fixed": fixed and fixed["packages"]}
     ok, stdout, stderr = hostrun.run_remote(host, tool_command(settings.venv_python, "lock", params))
     if not ok or not stdout:
-        host.log_styled(f"cannot read the lock of release {release.id}: {' '.join(stderr)}", fg="red",
-                        log_func=logger.error)
-        return False
+        return fail_host(host, FAILED, [f"cannot read the lock of release {release.id}: {' '.join(stderr)}"])
     lock = json.loads(stdout[-1])
     if fixed is None:
         stack_hashes.write_fixed(path, stack_hashes.fixed_document(release.inputs, lock["packages"],
@@ -219,11 +217,10 @@ def _fix_stack_hashes(state, host, settings, release: ReleasePlan, path) -> bool
         host.log(f"fixed the stack's wheel hashes in {path} ({len(lock['packages'])} packages): commit it, every "
                  "later build of this stack must have them")
         return True
-    problems = lock["problems"]
-    for problem in problems:
-        host.log_styled(f"release {release.id} differs from the hashes {path} fixed ({fixed['fixed']}): {problem}",
-                        fg="red", log_func=logger.error)
-    return not problems
+    if lock["problems"]:
+        return fail_host(host, FAILED, [f"release {release.id} differs from the hashes {path} fixed "
+                                        f"({fixed['fixed']}): {problem}" for problem in lock["problems"]])
+    return True
 
 
 @operation()
@@ -309,7 +306,7 @@ def plan() -> ReleasePlan | None:
     settings = host_settings(host)
     state = env_state(settings)
     if state is None:
-        refuse_now(host, [_no_python(settings)])
+        fail_host(host, REFUSED, [_no_python(settings)])
         return None
     release = _plan(settings, state)
     note(host, "release", release.id)
@@ -342,13 +339,13 @@ def rollback_target() -> Release | None:
     settings = host_settings(host)
     state = env_state(settings)
     if state is None:
-        refuse_now(host, [_no_python(settings)])
+        fail_host(host, REFUSED, [_no_python(settings)])
         return None
     try:
         target = choose_rollback_target(state["history"], state["releases"], state["venv_path"]["release"],
                                         settings.venv_rollback_to)
     except NoRollbackTarget as reason:
-        refuse_now(host, [str(reason)])
+        fail_host(host, REFUSED, [str(reason)])
         return None
     note(host, "release", target)
     note(host, "was", state["venv_path"].get("release"))

@@ -1,4 +1,4 @@
-"""`servestack backups INVENTORY [--limit L]`: the environment snapshots kept on each host.
+"""`servestack backups INVENTORY [--limit L ...]`: the environment snapshots kept on each host.
 
 The backup step (operations/venv.py `backup_env`) writes `<servestack_state_dir>/backups/<UTC ts>.json`
 before a run changes the ML environment: every package with its exact version and local label,
@@ -12,6 +12,7 @@ each saying what it is a snapshot of; it changes nothing on any host. Hosts are 
 from __future__ import annotations
 
 import sys
+from typing import Iterable
 
 from facts.batch import FactRequest
 from facts.venv import MlEnvBackups, MlEnvState
@@ -26,7 +27,7 @@ def backup_requests(settings) -> list[FactRequest]:
             FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings))]
 
 
-def collect(inventory_path: str, limit: str | None = None) -> dict[str, list | str]:
+def collect(inventory_path: str, limit: Iterable[str] | None = None) -> dict[str, list | str]:
     """{host name: [backup summaries, each with "of": what it is a snapshot of] or an error string}."""
     targets = targets_from_inventory(inventory_path, limit, action="list backups", local=False)
     values = read_all(targets, lambda target: backup_requests(target.settings))
@@ -76,7 +77,7 @@ def format_backups(results: dict[str, list | str]) -> str:
     return "\n".join(lines)
 
 
-def backups_main(inventory_path: str, limit: str | None = None) -> int:
+def backups_main(inventory_path: str, limit: Iterable[str] | None = None) -> int:
     results = collect(inventory_path, limit)
     print(format_backups(results))
     return 1 if any(isinstance(value, str) for value in results.values()) else 0

@@ -1,6 +1,6 @@
 """`servestack bench`: the controller side of the speculation benchmark (issue 17).
 
-    servestack bench INVENTORY [--limit L] [--runs 10] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
+    servestack bench INVENTORY [--limit L ...] [--runs 10] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
 
 What is measured, per host: the manifest's fixed request (`[service.speculation_benchmark]`: prompt,
 output length, temperature 0) sent `runs` times at concurrency 1 by files/scripts/bench-client.py,
@@ -26,6 +26,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Iterable
 
 from facts.batch import FactRequest
 from facts.service import ServiceRecord
@@ -33,7 +34,7 @@ from servestack.errors import ConfigError
 from servestack.manifest import PROJECT_ROOT
 from servestack.paths import speculation_record_path
 from servestack.speculation_policy import BASELINE, CONFIGURATIONS, SPECULATION, crossover, decide, gain_of, means
-from servestack.verify import Unreachable, read_all, report_console, split_patterns, targets_from_inventory
+from servestack.verify import Unreachable, read_all, report_console, targets_from_inventory
 
 ON_DEMAND = "operations.speculation.bench_now"   # what `servestack bench` runs with pyinfra
 SIMULATED_NOTICE = ("SIMULATED: these numbers come from the sandbox's stand-in server (its /server_info says "
@@ -272,14 +273,14 @@ def plotting_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def pyinfra_argv(inventory: str, limit: str | None, options: dict) -> list[str]:
-    limits = [word for pattern in split_patterns(limit) for word in ("--limit", pattern)]
+def pyinfra_argv(inventory: str, limit: Iterable[str] | None, options: dict) -> list[str]:
+    limits = [word for pattern in limit or () for word in ("--limit", pattern)]
     return [str(Path(sys.executable).parent / "pyinfra"), "-y", *limits, str(Path(inventory).resolve()),
             ON_DEMAND, json.dumps([[], options])]
 
 
-def bench_main(inventory: str, limit: str | None = None, runs: int | None = None, concurrency: str | None = None,
-               json_path: str | None = None, plot_path: str | None = None) -> int:
+def bench_main(inventory: str, limit: Iterable[str] | None = None, runs: int | None = None,
+               concurrency: str | None = None, json_path: str | None = None, plot_path: str | None = None) -> int:
     """Benchmark every host (pyinfra, `operations.speculation.bench_now`), then report from the hosts'
     records; 0 when every host was measured."""
     levels = parse_levels(concurrency)

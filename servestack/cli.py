@@ -1,10 +1,10 @@
 """The `servestack` command: fleet reports.
 
-    servestack doctor INVENTORY [--limit L] [--json]   preflight checks as a report; changes nothing
-    servestack status INVENTORY [--limit L] [--json]   each host's release, rollback target, last run, service
-    servestack verify INVENTORY [--limit L] [--junit FILE]  the verification suite as a per-host table
-    servestack backups INVENTORY [--limit L]       list the environment snapshots kept on each host
-    servestack bench INVENTORY [--limit L] [--runs N] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
+    servestack doctor INVENTORY [--limit L ...] [--json]   preflight checks as a report; changes nothing
+    servestack status INVENTORY [--limit L ...] [--json]   each host's release, rollback target, last run, service
+    servestack verify INVENTORY [--limit L ...] [--junit FILE]  the verification suite as a per-host table
+    servestack backups INVENTORY [--limit L ...]       list the environment snapshots kept on each host
+    servestack bench INVENTORY [--limit L ...] [--runs N] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
                                                     tok/s with and without speculation; the host ends in the
                                                     configuration its service_speculation policy chooses
     servestack keys [--manifest FILE]               every host-data key, its default and meaning
@@ -22,12 +22,13 @@ from pathlib import Path
 from traceback import walk_tb
 
 from servestack.errors import ConfigError
+from servestack.fleet import LIMIT_HELP
 
 
 def _inventory_parser(commands, name: str, help_text: str):
     parser = commands.add_parser(name, help=help_text)
     parser.add_argument("inventory")
-    parser.add_argument("--limit", default=None, help="group or host names (comma separated)")
+    parser.add_argument("--limit", action="append", default=None, metavar="L", help=LIMIT_HELP)
     return parser
 
 

@@ -16,15 +16,15 @@ status is "ok", "warn" (reported only), "fail" or "skip". Exit status 0 when no 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
+from typing import Iterable
 
-from operations.preflight import CHECKS, Check, evaluate, read_preflight
+from operations.preflight import CHECKS, CheckResult, evaluate, read_preflight
 from servestack.errors import ConfigError
-from servestack.pyinfra_hooks import import_pyinfra_cli
+from servestack.fleet import limited, load_inventory
 from servestack.settings import host_settings
 from servestack.targets import target_problem
-from servestack.verify import _apply_limit, report_console, split_patterns
+from servestack.verify import report_console
 
 REPORT_CHECKS = ("settings", "connect")
 
@@ -43,18 +43,19 @@ def report_for(name: str, settings, facts, error: str | None, connect_error: str
     """A host's checks: settings, connect, then the preflight checks (skipped when they cannot run)."""
     checks = []
     if settings is None:
-        checks.append(Check("settings", "fail", error or "invalid", (error or "invalid",)))
+        checks.append(CheckResult("settings", "fail", error or "invalid", (error or "invalid",)))
     else:
-        checks.append(Check("settings", "fail", error, (error,)) if error else Check("settings", "ok", "valid"))
+        checks.append(CheckResult("settings", "fail", error, (error,)) if error
+                      else CheckResult("settings", "ok", "valid"))
     if settings is None or error:
-        checks.append(Check("connect", "skip", "not attempted"))
+        checks.append(CheckResult("connect", "skip", "not attempted"))
     elif connect_error or facts is None:
         problem = connect_error or "connected, but could not read the host (sudo?)"
-        checks.append(Check("connect", "fail", problem, (problem,)))
+        checks.append(CheckResult("connect", "fail", problem, (problem,)))
     else:
-        checks.append(Check("connect", "ok", "connected"))
+        checks.append(CheckResult("connect", "ok", "connected"))
     if settings is None or error or facts is None:
-        return HostReport(name, checks + [Check(name_, "skip", "host not checked") for name_ in CHECKS])
+        return HostReport(name, checks + [CheckResult(name_, "skip", "host not checked") for name_ in CHECKS])
     return HostReport(name, checks + evaluate(settings, facts))
 
 
@@ -87,23 +88,13 @@ def render_table(reports: dict[str, HostReport], console=None) -> None:
                   if failed else f"[green]all {len(reports)} hosts pass preflight[/]")
 
 
-def _load(inventory_path: str, limit):
+def _load(inventory_path: str, limit: Iterable[str] | None):
     """A pyinfra State initialised with the inventory; the hosts in the limit."""
     from pyinfra.api import Config, State
-    from pyinfra.context import ctx_state
 
-    cli = import_pyinfra_cli()
-    CliError, make_inventory = cli.exceptions.CliError, cli.inventory.make_inventory
-
-    if not os.path.isfile(inventory_path):
-        raise ConfigError(f"{inventory_path}: inventory file not found")
+    inventory = load_inventory(inventory_path)
+    hosts = limited(inventory, limit or ())
     state = State()
-    with ctx_state.use(state):
-        try:
-            inventory = make_inventory(str(inventory_path), cwd=os.getcwd())
-        except CliError as error:
-            raise ConfigError(f"{inventory_path}: {error}") from None
-    hosts = _apply_limit(inventory, split_patterns(limit))
     state.init(inventory, Config(), initial_limit=hosts)
     return state, hosts
 
@@ -144,7 +135,7 @@ def collect(state, hosts) -> dict[str, HostReport]:
     return reports
 
 
-def doctor_main(inventory_path: str, limit=None, as_json: bool = False) -> int:
+def doctor_main(inventory_path: str, limit: Iterable[str] | None = None, as_json: bool = False) -> int:
     """Print the preflight report of the inventory's hosts; 0 when every host passes, else 1."""
     state, hosts = _load(inventory_path, limit)
     reports = collect(state, hosts)

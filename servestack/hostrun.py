@@ -2,7 +2,8 @@
 
 - `run_id(state)`: one id per pyinfra run (per `State`), written into the host lock and records;
 - `plan` / `noop`: the per-host lines `--dry --diff` shows ("download 4.3 GB from ...");
-- `refuse` / `refuse_now`: the one way to refuse or fail a host, one line per problem naming it;
+- `fail_host` (and `refuse`, its form for an operation's body): the one way to refuse or fail a
+  host, one line per problem naming it, the reason kept for the run's recap (`reasons`);
 - `run_remote`: run a command now with the current operation's connection arguments (sudo, ...);
 - `write_record`: bookkeeping written now (a record of what this run saw: not a change);
 - `while_busy`: a long command (venv build, health-gated restart) that keeps the host's lock alive
@@ -33,6 +34,7 @@ _RUNS: "WeakKeyDictionary" = WeakKeyDictionary()     # State -> {"id", "started"
 _REASONS: "WeakKeyDictionary" = WeakKeyDictionary()  # State -> {host name: [Reason]}: why it was refused or failed
 _NOTES: "WeakKeyDictionary" = WeakKeyDictionary()    # State -> {host name: {what: value}} for the recap
 _LOCKED: "WeakKeyDictionary" = WeakKeyDictionary()   # State -> {host name: release command}
+_UNSAID: "WeakKeyDictionary" = WeakKeyDictionary()   # State -> [(host, op hash)]: failed, no reason said yet
 
 
 def utc_stamp() -> str:
@@ -94,6 +96,10 @@ def noop(host, text: str) -> None:
         host.log(f"no change: {text}")
 
 
+REFUSED = "refused"   # servestack would not change the host
+FAILED = "failed"     # a step failed on it
+
+
 @dataclass(frozen=True)
 class Reason:
     """Why a host stopped: `refused` (servestack would not change it) or `failed` (a step failed)."""
@@ -103,12 +109,14 @@ class Reason:
 
 
 def reasons(state) -> dict[str, list[Reason]]:
-    """The hosts this run refused or failed with a message, and why (servestack/runreport.py)."""
+    """The hosts this run refused or failed, and why, in the order it was said (servestack/runreport.py)."""
+    _settle_failed_commands(state)
     return _REASONS.get(state, {})
 
 
-def _remember(state, host, kind: str, texts) -> None:
-    _REASONS.setdefault(state, {}).setdefault(host.name, []).extend(Reason(kind, text) for text in texts)
+def _remember(state, host, kind: str, texts: list[str]) -> None:
+    if texts:
+        _REASONS.setdefault(state, {}).setdefault(host.name, []).extend(Reason(kind, text) for text in texts)
 
 
 def note(host, what: str, value) -> None:
@@ -120,16 +128,34 @@ def notes(state) -> dict[str, dict]:
     return _NOTES.get(state, {})
 
 
-def _log_problems(host, problems: list[str]) -> None:
-    _remember(host.state, host, "refused", problems)
-    for problem in problems:
-        host.log_styled(f"refused: {problem}", fg="red", log_func=logger.error)
+def fail_host(host, kind: str, problems: list[str], shown: bool = True) -> bool:
+    """The one way servestack refuses (`REFUSED`) or fails (`FAILED`) a host. Returns False.
+
+    Each problem is one line naming it, printed in red ("refused: <problem>" for a refusal) unless
+    `shown=False` (its output was shown already), and kept as the host's reason for the recap.
+    Where to call it:
+
+    - a deploy function, at prepare: ``fail_host(host, REFUSED, [...]); return``: the host is failed
+      now, so no operation runs on it;
+    - a FunctionCommand, at execute: ``return fail_host(host, FAILED, [...])``: pyinfra fails the
+      operation, so the host (other hosts go on; pyinfra's --fail-percent applies);
+    - an operation's body: ``yield from refuse(host, [...]); return`` (below), which calls this now at
+      prepare and yields it as the operation's failing command at execute.
+
+    A command pyinfra runs itself (a StringCommand) that fails the host has its reason taken from
+    its stderr (`record_failed_commands`). A `ConfigError` is not a host's failure: it stops the whole
+    run on bad input (an inventory, a manifest, the controller's environment) before any host changes.
+    """
+    _remember(host.state, host, kind, problems)
+    if shown:
+        for problem in problems:
+            host.log_styled(f"refused: {problem}" if kind == REFUSED else problem, fg="red", log_func=logger.error)
+    if not is_executing(host):
+        _fail_at_prepare(host)
+    return False
 
 
-def refuse_now(host, problems: list[str]) -> None:
-    """Refuse the host now, while pyinfra prepares the deploy: one line per problem, and the host
-    is failed so that nothing runs on it (deploy functions and operations at prepare)."""
-    _log_problems(host, problems)
+def _fail_at_prepare(host) -> None:
     try:
         host.state.fail_hosts({real_host(host)})
     except PyinfraError:
@@ -142,20 +168,57 @@ def refuse_now(host, problems: list[str]) -> None:
         raise SystemExit(1) from None
 
 
-def _fail(state, host, problems):
-    _log_problems(host, problems)
-    return False
+def _refused(state, host, problems: list[str]) -> bool:
+    return fail_host(host, REFUSED, problems)
 
 
 def refuse(host, problems: list[str]):
-    """The one way an operation refuses or fails a host: `yield from refuse(host, [...]); return`.
-
-    At prepare the host is refused at once (`refuse_now`); at execute a command is yielded that logs
-    the problems and fails the host (other hosts go on; pyinfra's --fail-percent applies)."""
+    """`fail_host(host, REFUSED, problems)` in an operation's body: ``yield from refuse(host, [...]); return``."""
     if is_executing(host):
-        yield FunctionCommand(_fail, (list(problems),), {})
+        yield FunctionCommand(_refused, (list(problems),), {})
     else:
-        refuse_now(host, problems)
+        fail_host(host, REFUSED, problems)
+
+
+def said_in(lines: list[str], nothing: str = "no error output") -> str:
+    """What a failed command said: its first line of servestack's ("servestack: ..."), or its last line."""
+    lines = [line.strip() for line in lines if line.strip()]
+    ours = [line for line in lines if line.startswith("servestack:")]
+    return (ours or lines[-1:] or [nothing])[0]
+
+
+def op_name(state, op_hash) -> str:
+    """The operation's name as pyinfra shows it ("<deploy> | <operation>"). One operation has one
+    name per host when the name carries a host's own value (a release id): then the deploy's name."""
+    names = sorted(state.get_op_meta(op_hash).names)
+    if len(names) == 1:
+        return names[0]
+    steps = {name.split(" | ")[0] for name in names}
+    return steps.pop() if len(steps) == 1 else ", ".join(names) or "an operation"
+
+
+class _FailedCommands(BaseStateCallback):
+    """An operation that failed on a host without saying why through `fail_host` (a command pyinfra
+    ran itself failed): its reason is its stderr, read once pyinfra has kept it (after this callback)."""
+
+    @staticmethod
+    def operation_host_error(state, host, op_hash, retry_attempt=0, max_retries=0):
+        if host.name not in _REASONS.get(state, {}):
+            _UNSAID.setdefault(state, []).append((host, op_hash))
+
+
+def record_failed_commands(state) -> None:
+    """Keep a reason for each host whose failure no servestack code said (servestack/runreport.py)."""
+    state.add_callback_handler(_FailedCommands())
+
+
+def _settle_failed_commands(state) -> None:
+    unsaid = _UNSAID.get(state, [])
+    for host, op_hash in list(unsaid):
+        meta = state.get_op_data_for_host(host, op_hash).operation_meta
+        if meta.is_complete():
+            unsaid.remove((host, op_hash))
+            _remember(state, host, FAILED, [f"'{op_name(state, op_hash)}' failed: {said_in(meta.stderr_lines)}"])
 
 
 def connector_arguments(host) -> dict:
@@ -196,10 +259,7 @@ def _run_long_step(state, host, step: str, command: str) -> bool:
     arguments = connector_arguments(host)
     ok, output = host.run_shell_command(StringCommand(command), print_output=True, **arguments)
     if not ok:
-        lines = [line.strip() for line in output.stderr_lines if line.strip()]
-        ours = [line for line in lines if line.startswith("servestack:")]
-        said = (ours or lines[-1:] or ["no error output"])[0]
-        _remember(state, host, "failed", [f"{step} failed: {said}"])
+        return fail_host(host, FAILED, [f"{step} failed: {said_in(output.stderr_lines)}"], shown=False)
     return ok
 
 

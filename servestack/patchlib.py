@@ -1,7 +1,8 @@
 """Exact unified-diff engine for servestack's source patches (stdlib only).
 
 The same source runs in two places: locally (unit tests) and on the target host, where
-facts/patches.py ships it to the environment's own python together with the patch texts.
+files/scripts/patch-check.sh runs it with the environment's own python as
+`python -I -c THIS_FILE SETS REQUEST` (servestack/scripts.py; `main` reads the arguments).
 Hunks match exactly: every context and removed line must be identical, hunks may move
 (offset) but there is no fuzz, unlike GNU patch, which happily applies the Kimi patch a
 second time to sglang 0.5.10 with fuzz 2.
@@ -16,6 +17,7 @@ A patch is in one of four states on a tree:
 
 from __future__ import annotations
 
+import base64
 import difflib
 import hashlib
 import json
@@ -23,6 +25,7 @@ import os
 import re
 import sys
 import types
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -479,7 +482,9 @@ def in_place(results: list, record: str) -> bool:
 
 
 def replace_all(writes: dict) -> None:
-    """Replace every file with its bytes, or leave all of them as they were."""
+    """The engine's one atomic write: every file gets its bytes, or all of them stay as they were.
+    Each is written to a temp file beside it first, then renamed over it (rename(2): readers see
+    the old file or the new one); a failure puts back the files already replaced."""
     originals = {path: path.read_bytes() if path.exists() else None for path in writes}
     temps = {}
     try:
@@ -527,7 +532,7 @@ def _restore(path: Path, original: bytes | None) -> None:
     if original is None:
         path.unlink()
     else:
-        os.replace(_temp_copy(path, original), path)
+        replace_all({path: original})
 
 
 # --- remote entry point --------------------------------------------------------------
@@ -600,8 +605,7 @@ def remote_main(payload: dict) -> int:
 
     payload: {"mode": "check"|"apply", "package", "record_path" (or None: sys.prefix),
               "sets": {version: {"patches": [[name, text], ...], "checks": source|None}},
-              "digests": {version: sha256 of the engine and that set (facts/patches.py)},
-              "engine": the source of this module}
+              "digests": {version: sha256 of the engine and that set (facts/patches.py)}}
 
     A check that finds the set in place at a given record path also prints the sums that let
     the next check confirm it with `sha256sum -c` (`sums`: facts/patches.py keeps them).
@@ -648,3 +652,21 @@ def remote_main(payload: dict) -> int:
             out["sums"] = sums_text(*sums, record_path, record_path.read_bytes(), results)
     print(json.dumps(out))
     return 0
+
+
+def main(argv: list) -> int:
+    """The host's entry point: `python -I -c THIS_FILE SETS REQUEST` (files/scripts/patch-check.sh).
+
+    SETS: base64 of zlib-compressed JSON {"sets", "digests"} (the same for every host of a run);
+    REQUEST: base64 of JSON {"mode", "package", "record_path"}. See `remote_main`.
+    """
+    if len(argv) != 3:
+        print("servestack patches: usage: patchlib.py SETS REQUEST (base64 JSON)", file=sys.stderr)
+        return 2
+    payload = json.loads(zlib.decompress(base64.b64decode(argv[1])))
+    payload.update(json.loads(base64.b64decode(argv[2])))
+    return remote_main(payload)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -9,7 +9,12 @@ a `rollout_batch` that differs between the targeted hosts (pyinfra runs an opera
 `_parallel` for all its hosts, and stops a run whose hosts give two with an error naming neither).
 """
 
+import os
+from pathlib import Path
+
 from servestack.errors import ConfigError
+from servestack.fleet import limit_problems
+from servestack.pyinfra_hooks import cli_argument
 from servestack.settings import check_inventory, secret_problems
 from servestack.targets import REFUSAL, target_problems
 
@@ -43,16 +48,30 @@ def _names(names: list[str], shown: int = 5) -> str:
 
 
 def validate_targets(state, environ=None) -> None:
-    """Refuse the run, naming every problem of every host in its limit, before any connection; and a
-    run with no host at all (a --limit that matches none, an empty inventory), which would
-    otherwise do nothing and succeed: an emergency rollback with a typo must not report success."""
+    """Refuse the run, naming every problem of every host in its limit, before any connection; a
+    --limit pattern that matches no host (pyinfra only warns, and runs on what the others matched);
+    and a run with no host at all (an empty or misspelled inventory), which would otherwise do
+    nothing and succeed: an emergency rollback with a typo must not report success."""
+    if not list(state.inventory):
+        raise ConfigError(f"{REFUSAL}\nno host to run on: the inventory has no hosts")
+    limit_refusals = limit_problems(state.inventory, cli_argument("limit") or ())
+    if limit_refusals:
+        raise ConfigError(REFUSAL + "\n" + "\n".join(limit_refusals))
     hosts = [host for host in state.inventory if state.is_host_in_limit(host)]
     if not hosts:
-        names = [host.name for host in state.inventory]
-        raise ConfigError(f"{REFUSAL}\nno host to run on: " + (
-            f"none of the inventory's hosts ({', '.join(names)}) is in the --limit given (pyinfra's --limit takes "
-            "one group or host name or glob per --limit; a comma does not separate two)" if names
-            else "the inventory has no hosts"))
+        names = ", ".join(host.name for host in state.inventory)
+        raise ConfigError(f"{REFUSAL}\nno host to run on: the --limit and --exclude given leave none of the "
+                          f"inventory's hosts ({names})")
     problems = targets_problems(hosts, environ)
     if problems:
         raise ConfigError(REFUSAL + "\n" + "\n".join(problems))
+
+
+def inventory_file_problem(inventory: str | None) -> str | None:
+    """Why the pyinfra command's inventory argument cannot be read, before pyinfra tries: a path (a name
+    with a slash, or ending in .py) that is no file is a misspelled inventory file, which pyinfra would
+    read as a module or host name, look up in DNS, and run on no host."""
+    is_path = inventory is not None and ("/" in inventory or inventory.endswith(".py"))
+    if inventory and is_path and not Path(inventory).is_file():
+        return f"{inventory}: inventory file not found (in {os.getcwd()})"
+    return None

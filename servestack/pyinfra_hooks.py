@@ -21,6 +21,11 @@ here has a test in tests/unit/test_pyinfra_hooks.py that fails when pyinfra chan
    servestack's own commands and the tests do not, and patched, `os.close` hands directory and
    pipe fds to a gevent hub that never runs here: every `shutil.rmtree` leaks one fd per
    directory (a test session hit EMFILE).
+7. `cli_argument`: an argument or option of the running `pyinfra` command (its inventory, its `--limit`
+   patterns), from click's current context: pyinfra's CLI is a click command (pyinfra_cli/cli.py) and
+   config.py runs inside it. The CLI keeps only the hosts the patterns matched and warns without stopping
+   when one matches none; it reads an inventory argument that names no file as a module or host name, and
+   looks that name up in DNS.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import socket
 import sys
 import types
 
+import click
 from pyinfra.api import facts as _pyinfra_facts
 from pyinfra.connectors.ssh import SSHConnector
 
@@ -106,3 +112,9 @@ def import_pyinfra_cli():
     import pyinfra_cli.inventory
     import pyinfra_cli.util
     return pyinfra_cli
+
+
+def cli_argument(name: str):
+    """The value of the running `pyinfra` command's argument or option `name` (None outside it)."""
+    context = click.get_current_context(silent=True)
+    return context.params.get(name) if context is not None else None

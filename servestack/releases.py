@@ -37,7 +37,6 @@ import base64
 import hashlib
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +47,6 @@ from servestack.errors import ConfigError
 SCRIPTS = Path(__file__).resolve().parent.parent / "files" / "scripts"
 TOOL = SCRIPTS / "ml_env.py"
 CHECK = SCRIPTS / "check_release.py"
-HEREDOC = "__SERVESTACK_ML_ENV__"
 DEFAULT_INDEX = "pypi"  # the manifest's [indexes] entry uv treats as the default index
 IMPORT_CHECKS = ("flashinfer", "sglang")  # flashinfer's import runs its own version check
 RELEASE_ID = re.compile(r"^(r-[0-9a-f]{12}|adopted-\d{8}T\d{6}Z)$")
@@ -198,27 +196,11 @@ def release_plan(settings, arch: str, python_version: str) -> ReleasePlan:
     )
 
 
-# --- commands sent to the host ------------------------------------------------------------------
+# --- the host tool's parameters (facts/venv.py `tool_command` sends the tool) ------------------------
 
 def encode(params: dict) -> str:
+    """The tool's parameters as its argument: base64 of JSON (no shell quoting needed)."""
     return base64.b64encode(json.dumps(params, sort_keys=True).encode()).decode()
-
-
-def tool_command(python: str, command: str, params: dict) -> str:
-    """`python -I -S - <command> <params>` with the host tool on stdin (one SSH round trip, no upload).
-
-    The tool is stdlib only: -S skips importing site (a cost on every converge), -I ignores PYTHON*
-    variables and the user's site-packages.
-    """
-    script = TOOL.read_text()
-    if HEREDOC in script:
-        raise AssertionError(f"{TOOL} must not contain {HEREDOC}")
-    return f"{shlex.quote(python)} -I -S - {command} {encode(params)} <<'{HEREDOC}'\n{script}\n{HEREDOC}"
-
-
-def guarded_tool_command(python: str, command: str, params: dict) -> str:
-    """A tool command that prints nothing (instead of failing) when the host has no `python`."""
-    return f"if command -v {shlex.quote(python)} >/dev/null 2>&1; then {tool_command(python, command, params)}\nfi"
 
 
 # --- decisions ----------------------------------------------------------------------------------

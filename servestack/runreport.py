@@ -1,7 +1,8 @@
 """What a deploy or rollback run tells the operator at its end, and when it is interrupted.
 
 `install(state)` (config.py, once pyinfra has loaded the inventory) registers a state callback that
-follows each host through the execute stage: the operation it is in, the operations that failed.
+follows each host through the execute stage (the operation it is in), and has servestack/hostrun.py keep a
+reason for each host that fails.
 Then:
 
 - Ctrl-C or SIGTERM: one line per host naming the step it was in and what the next run will do
@@ -10,8 +11,8 @@ Then:
   finish on the host, holding its lock, and a run that comes meanwhile refuses the host naming them.
 - A normal end: the recap, one line per host in the spirit of Ansible's PLAY RECAP: changed,
   unchanged, failed or refused, the release the run leaves active, whether the service restarted,
-  and the first reason of a failure or refusal; with `--json`, the same as one JSON object on
-  standard error (standard output stays pyinfra's JSON).
+  and the first reason of a failure or refusal, as servestack/hostrun.py kept it; with `--json`, the
+  same as one JSON object on standard error (standard output stays pyinfra's JSON).
 - A run that would ask for confirmation with standard input closed (or /dev/null) is refused before
   connecting, with a message (`prompt_problem`), instead of pyinfra's EOFError traceback.
 - pyinfra's "[host] Ready: deploy.py" line is left out for a host that was just refused (a filter on
@@ -30,11 +31,11 @@ import re
 import signal
 import stat
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pyinfra.api.state import BaseStateCallback
 
-from servestack.hostrun import notes, reasons
+from servestack.hostrun import REFUSED, notes, op_name, reasons, record_failed_commands
 
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -56,7 +57,6 @@ SHORT_STEP = ("the next run finds this run's lock stale, says so in its first li
 @dataclass
 class HostProgress:
     current: str | None = None                 # the operation running on the host now (execute)
-    failed: list[str] = field(default_factory=list)   # hashes of the operations that failed on it
 
 
 class RunReport(BaseStateCallback):
@@ -72,25 +72,13 @@ class RunReport(BaseStateCallback):
         return self.hosts.setdefault(host.name, HostProgress())
 
     def operation_host_start(self, state, host, op_hash):  # type: ignore[override]
-        self.progress(host).current = _op_name(state, op_hash)
+        self.progress(host).current = op_name(state, op_hash)
 
     def operation_host_success(self, state, host, op_hash, retry_count=0):  # type: ignore[override]
         self.progress(host).current = None
 
     def operation_host_error(self, state, host, op_hash, retry_count=0, max_retries=0):  # type: ignore[override]
-        progress = self.progress(host)
-        progress.current = None
-        progress.failed.append(op_hash)
-
-
-def _op_name(state, op_hash) -> str:
-    """The operation's name as pyinfra shows it ("<deploy> | <operation>"). One operation has one
-    name per host when the name carries a host's own value (a release id): then the deploy's name."""
-    names = sorted(state.get_op_meta(op_hash).names)
-    if len(names) == 1:
-        return names[0]
-    steps = {name.split(" | ")[0] for name in names}
-    return steps.pop() if len(steps) == 1 else ", ".join(names) or "an operation"
+        self.progress(host).current = None
 
 
 def next_run_for(step: str) -> str:
@@ -122,11 +110,10 @@ def host_recap(report: RunReport, host) -> dict:
     failed = host in state.failed_hosts
     noted = notes(state).get(host.name, {})
     if failed:   # refused: servestack would not touch it, and nothing changed; failed: a step failed
-        status = "refused" if not changed and said and said[0].kind == "refused" else "failed"
+        status = "refused" if not changed and said and said[0].kind == REFUSED else "failed"
     else:
         status = "changed" if changed else "unchanged"
-    failures = report.progress(host).failed
-    reason = said[0].text if said else (failure_reason(state, host, failures[0]) if failures else None)
+    reason = said[0].text if said else None
     restarted = any("Health-gated restart" in name and meta.did_change()
                     for op_hash, meta in zip(state.ops.get(host, {}), ops) if meta.is_complete()
                     for name in state.get_op_meta(op_hash).names)
@@ -134,15 +121,6 @@ def host_recap(report: RunReport, host) -> dict:
             "unchanged": len(complete) - changed if status != "refused" else 0,
             "release": noted.get("release") if status in ("changed", "unchanged") else noted.get("was"),
             "service_restarted": restarted, "reason": reason}
-
-
-def failure_reason(state, host, op_hash) -> str:
-    """The failed operation's name and its first line of servestack's (or its last line of) stderr."""
-    meta = state.get_op_data_for_host(host, op_hash).operation_meta
-    lines = [line.strip() for line in (meta.stderr_lines if meta.is_complete() else []) if line.strip()]
-    ours = [line for line in lines if line.startswith("servestack:")]
-    said = (ours or lines[-1:] or ["no error output"])[0]
-    return f"'{_op_name(state, op_hash)}' failed: {said}"
 
 
 def recap(report: RunReport) -> list[dict]:
@@ -224,6 +202,7 @@ def install(state, argv: list[str] | None = None) -> RunReport:
     argv = sys.argv if argv is None else argv
     report = RunReport(state)
     state.add_callback_handler(report)
+    record_failed_commands(state)
     for signum in EXIT_STATUS:
         signal.signal(signum, _on_signal(report, signum))
     atexit.register(_at_exit(report, "--json" in argv, "--dry" in argv))

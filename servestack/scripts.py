@@ -1,16 +1,32 @@
-"""Run the shell scripts of files/scripts on a host: each script's text, with its inputs.
+"""The one way to ship and run code on a host: the code's text in the command, with its inputs.
 
-Every non-trivial host-side script lives in files/scripts/NAME.sh with its contract (inputs,
-outputs, exit codes) at its top. Python renders only the inputs: environment variables and
-arguments, quoted. The script's text travels in the command itself (`bash -c TEXT NAME ARGS...`),
-so nothing is uploaded and the command is the same on every host. The shell functions the scripts
-share are in files/scripts/helpers.sh: a script's line `source ".../helpers.sh"` (HELPERS_LINE) is
-replaced by that file's code (`helpers_code`).
+Every non-trivial piece of host-side code lives in a file with its contract (inputs, outputs, exit
+codes) at its top: shell scripts and Python tools in files/scripts/, and servestack/patchlib.py,
+which the controller imports too. Python renders only the inputs: arguments and environment
+variables, quoted. The code's text travels in the command itself, as the interpreter's `-c`
+argument, so nothing is uploaded, nothing is left on the host and the command is the same on
+every host:
+
+    shell   `VAR=value... bash -c TEXT NAME ARGS...`            (`script_command`)
+    Python  `VAR=value... PYTHON -I [-S] -c TEXT ARGS...`        (`python_script_command`)
+
+A script brings the files it needs by the same means: its text names them by lines that work
+where it lies (tests run the scripts from files/scripts), and those lines are replaced by the
+files' text when it is sent (`script_text`):
+- `source "${BASH_SOURCE[0]%/*}/helpers.sh"` (HELPERS_LINE): the shell functions the scripts share,
+  files/scripts/helpers.sh, in its place;
+- `NAME=$(<"${BASH_SOURCE[0]%/*}/PATH")` (a line alone): NAME set to the text of PATH, relative to
+  files/scripts, quoted; a shell script runs a Python tool with `"$python" -I -c "$NAME" ARGS`.
+
+The one exception is the service's secrets file (operations/service.py `secrets_file`): its
+content travels by pyinfra's SFTP upload, because a secret must never sit in a command line, where
+the host's process list and logs show it.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import shlex
 from pathlib import Path
 
@@ -19,14 +35,26 @@ from pyinfra.api import StringCommand
 SCRIPTS = Path(__file__).resolve().parent.parent / "files" / "scripts"
 HELPERS = "helpers.sh"
 HELPERS_LINE = 'source "${BASH_SOURCE[0]%/*}/helpers.sh"'
+TEXT_LINE = re.compile(r'^(?P<name>[A-Za-z_][A-Za-z0-9_]*)=\$\(<"\$\{BASH_SOURCE\[0\]%/\*\}/(?P<path>[^"]+)"\)$')
 
 
 @functools.cache
 def script_text(name: str) -> str:
-    """The script as it is sent to a host: its text, with the helpers' code in place of a line
-    that sources them."""
+    """The script as it is sent to a host: its text, with the helpers' code in place of a line that
+    sources them and each file it reads into a variable (TEXT_LINE) in place of that read."""
     lines = (SCRIPTS / name).read_text().splitlines(keepends=True)
-    return "".join(helpers_code() if line.rstrip("\n") == HELPERS_LINE else line for line in lines)
+    return "".join(_sent_line(line.rstrip("\n")) or line for line in lines)
+
+
+def _sent_line(line: str) -> str | None:
+    """What a line that brings a file is replaced by; None for any other line."""
+    if line == HELPERS_LINE:
+        return helpers_code()
+    read = TEXT_LINE.match(line)
+    if read is None:
+        return None
+    text = (SCRIPTS / read["path"]).read_text().rstrip("\n")  # as `$(<PATH)` reads it: no final line breaks
+    return f"{read['name']}={shlex.quote(text)}\n"
 
 
 @functools.cache
@@ -37,11 +65,18 @@ def helpers_code() -> str:
     return "".join(line for line in lines if line.strip() and not line.lstrip().startswith("#"))
 
 
+def _assignments(env: dict | None) -> list[str]:
+    return [f"{key}={shlex.quote(str(value))}" for key, value in (env or {}).items()]
+
+
+def _quoted(args: tuple) -> list[str]:
+    return [shlex.quote(str(argument)) for argument in args]
+
+
 def script_command(name: str, *args, env: dict | None = None) -> str:
     """`files/scripts/<name>` as one shell command: `VAR=value... bash -c TEXT NAME ARGS...`."""
-    assignments = [f"{key}={shlex.quote(str(value))}" for key, value in (env or {}).items()]
-    words = ["bash", "-c", shlex.quote(script_text(name)), shlex.quote(name), *(shlex.quote(str(a)) for a in args)]
-    return " ".join(assignments + words)
+    words = ["bash", "-c", shlex.quote(script_text(name)), shlex.quote(name), *_quoted(args)]
+    return " ".join(_assignments(env) + words)
 
 
 def script(name: str, *args, env: dict | None = None) -> StringCommand:
@@ -49,19 +84,19 @@ def script(name: str, *args, env: dict | None = None) -> StringCommand:
     return StringCommand(script_command(name, *args, env=env))
 
 
+def python_script_command(python: str, name: str | Path, *args, env: dict | None = None, site: bool = True) -> str:
+    """A Python tool (`files/scripts/<name>`, or a path) run by the host's `python`:
+    `VAR=value... PYTHON -I [-S] -c TEXT ARGS...` (its arguments are sys.argv[1:]).
+
+    -I ignores PYTHON* variables and the user's site-packages; `site=False` adds -S, for a tool that
+    needs the standard library only (importing site is a cost on every converge). With `site`, the
+    interpreter's own site-packages are there (a release's python and its packages).
+    """
+    flags = ["-I"] if site else ["-I", "-S"]
+    words = [shlex.quote(python), *flags, "-c", shlex.quote((SCRIPTS / name).read_text()), *_quoted(args)]
+    return " ".join(_assignments(env) + words)
+
+
 def atomic_write_command(path: str, text: str, mode: str = "644") -> str:
     """The one way to write a file on a host atomically: a temporary file beside it, then rename(2)."""
     return script_command("atomic-write.sh", path, mode, env={"CONTENT": text})
-
-
-PYTHON_HEREDOC = "__SERVESTACK_PYTHON__"
-
-
-def python_script_command(python: str, name: str, *args) -> str:
-    """`files/scripts/<name>` (Python) run by the host's `python` with its site-packages (a release's
-    own interpreter): `PYTHON -I - ARGS` with the file on standard input, nothing uploaded."""
-    text = (SCRIPTS / name).read_text()
-    if PYTHON_HEREDOC in text:
-        raise AssertionError(f"{name} must not contain {PYTHON_HEREDOC}")
-    words = " ".join(shlex.quote(str(argument)) for argument in args)
-    return f"{shlex.quote(python)} -I - {words} <<'{PYTHON_HEREDOC}'\n{text}\n{PYTHON_HEREDOC}"

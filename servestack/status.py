@@ -1,4 +1,4 @@
-"""`servestack status INVENTORY [--limit L] [--json]`: where each host stands now; changes nothing.
+"""`servestack status INVENTORY [--limit L ...] [--json]`: where each host stands now; changes nothing.
 
 For each host of the inventory (group data applied, --limit honoured), from what the host keeps:
 
@@ -45,7 +45,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterable
 
 from pyinfra.api import FactBase
 
@@ -300,7 +300,7 @@ def service_status(settings: Settings, readings: StatusReadings, now: datetime |
 # --- reading the fleet ----------------------------------------------------------------------
 
 
-def collect(inventory_path: str, limit: str | None = None) -> dict[str, dict]:
+def collect(inventory_path: str, limit: Iterable[str] | None = None) -> dict[str, dict]:
     """{host name: its status}, every host of the inventory (in the limit) read in parallel."""
     targets = targets_from_inventory(inventory_path, limit, action="read the hosts' status", local=False)
     values = read_all(targets, lambda target: status_requests(target.settings))
@@ -426,7 +426,7 @@ def render_table(statuses: dict[str, dict], console) -> None:
                            style="bold red"))
 
 
-def status_main(inventory_path: str, limit: str | None = None, as_json: bool = False) -> int:
+def status_main(inventory_path: str, limit: Iterable[str] | None = None, as_json: bool = False) -> int:
     """Print every host's status; 0 when every host was read, else 1."""
     statuses = collect(inventory_path, limit)
     if as_json:

@@ -34,7 +34,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -42,6 +41,7 @@ from servestack.checks.catalogue import CHECKS, CHECKS_BY_NAME, base_name
 from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
 from servestack.checks.readings import NEEDS, Readings, in_order, read_batch, read_groups
 from servestack.errors import ConfigError
+from servestack.fleet import limited, load_inventory
 from servestack.manifest import PROJECT_ROOT
 from servestack.settings import Settings, settings_from_data
 from servestack.targets import PLACEHOLDER_SUFFIX, target_problem
@@ -166,53 +166,6 @@ def backend_for(host) -> Backend:
                       f"{connector.__name__}; it supports SSH hosts, @local and @chroot/PATH")
 
 
-def split_patterns(limit: str | Iterable[str] | None) -> list[str]:
-    """--limit values ('a,b' or repeated) as a list of names/globs."""
-    if not limit:
-        return []
-    values = [limit] if isinstance(limit, str) else list(limit)
-    return [pattern.strip() for value in values for pattern in value.split(",") if pattern.strip()]
-
-
-def _apply_limit(inventory, patterns: list[str]) -> list:
-    """pyinfra's --limit: each pattern is a group name, else a glob over host names."""
-    from pyinfra.api.exceptions import NoGroupError
-
-    if not patterns:
-        return list(inventory)
-    chosen = []
-    for pattern in patterns:
-        try:
-            hosts = list(inventory.get_group(pattern))
-        except NoGroupError:
-            hosts = [host for host in inventory if fnmatch(host.name, pattern)]
-        if not hosts:
-            raise ConfigError(f"--limit {pattern}: no group or host of the inventory matches")
-        chosen += [host for host in hosts if host not in chosen]
-    return [host for host in inventory if host in chosen]
-
-
-def load_inventory(path: str | Path, limit=None, override_data: dict | None = None) -> list:
-    """The pyinfra hosts of an inventory file, with group data applied and --limit honoured."""
-    from pyinfra.api import State
-    from pyinfra.context import ctx_state
-
-    cli = import_pyinfra_cli()
-    CliError, make_inventory = cli.exceptions.CliError, cli.inventory.make_inventory
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: inventory file not found")
-    # make_inventory reads group_data/ beside the inventory and in the working directory, as the
-    # pyinfra CLI does; it needs a State in context to execute the inventory's Python.
-    with ctx_state.use(State()):
-        try:
-            inventory = make_inventory(str(path), override_data=override_data or None, cwd=os.getcwd())
-        except CliError as error:
-            raise ConfigError(f"{path}: {error}") from None
-    return _apply_limit(inventory, split_patterns(limit))
-
-
 # --- targets ------------------------------------------------------------------------------
 
 
@@ -320,14 +273,14 @@ def _settings(name: str, data: dict) -> Settings:
     return settings_from_data(name, data)
 
 
-def targets_from_inventory(path: str | Path, limit=None, override_data: dict | None = None, *,
+def targets_from_inventory(path: str | Path, limit: Iterable[str] | None = None, override_data: dict | None = None, *,
                            action: str = "verify", local: bool = True) -> list[Target]:
     """A Target per inventory host in the limit; every host's settings validated first.
 
     Every problem of every host is raised at once (ConfigError: "<path>: cannot <action>: ...").
     `local=False` also refuses the hosts servestack does not target unless told to (this machine,
     servestack/targets.py); placeholders of the example inventory are always refused."""
-    hosts = load_inventory(path, limit, override_data)
+    hosts = limited(load_inventory(path, override_data), limit or ())
     problems, targets = [], []
     for host in hosts:
         address = str(host.data.get("ssh_hostname") or host.name)
@@ -510,7 +463,7 @@ def render(results: Results, console) -> None:
                        f"{len(results.hosts)} host(s)" + ("" if rows else ": no check ran")))
 
 
-def verify_main(inventory: str, limit: str | None = None, junit: str | None = None,
+def verify_main(inventory: str, limit: Iterable[str] | None = None, junit: str | None = None,
                 extra_args: Iterable[str] = ()) -> int:
     """`servestack verify`: run tests/verify against the inventory, print the per-host table.
 
@@ -518,10 +471,11 @@ def verify_main(inventory: str, limit: str | None = None, junit: str | None = No
     """
     import pytest
 
-    load_inventory(inventory, limit)  # bad input fails here, with servestack's message
+    limit = list(limit or ())
+    limited(load_inventory(inventory), limit)  # bad input fails here, with servestack's message
     args = [str(VERIFY_TESTS), "--inventory", str(inventory), "-q", "--tb=no", "-rN", "-p", "no:cacheprovider",
             "-W", "ignore::pytest.PytestAssertRewriteWarning"]
-    args += [f"--limit={pattern}" for pattern in split_patterns(limit)]
+    args += [f"--limit={pattern}" for pattern in limit]
     if junit:
         args.append(f"--junitxml={junit}")
     collector = ResultsCollector()

@@ -1,4 +1,4 @@
-# bench-client.py PARAMS  (the script on stdin: `python3 -I -S - PARAMS`; servestack/bench.py `client_command`)
+# bench-client.py PARAMS  (`python3 -I -S -c THIS_FILE PARAMS`: operations/speculation.py `client_command`)
 #
 # The benchmark's client, run ON THE HOST against its own SGLang server over loopback, so the
 # network between the controller and the host is not in the numbers. Standard library only.

@@ -95,7 +95,7 @@ verify() {
         exit 1
     fi
     if [ -n "$dest" ] && [ "$dest" != "$path" ]; then
-        mv -f -- "$path" "$dest" || exit 1
+        move_into_place "$path" "$dest" || exit 1
     fi
 }
 

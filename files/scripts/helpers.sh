@@ -72,6 +72,11 @@ dpkg_owner() {
     fi
 }
 
+# Rename the file (or link) $1 over $2 with rename(2): readers see the old one or the new one, never
+# a part. The last step of every atomic write here; on its own, it places a file staged by other
+# means (the secrets file, which pyinfra uploads: files/scripts/secrets-file.sh).
+move_into_place() { mv -fT -- "$1" "$2"; }
+
 # Write the text $2 (and a final newline unless it ends with one) to the file $1 atomically: into
 # $1.new.PID beside it, chmod $3 when given, then rename(2) over $1. Readers see the old file or
 # the new one, never a part. Status 1 when a step fails: $1 untouched, nothing left behind. For
@@ -81,7 +86,7 @@ write_atomically() {
     case $2 in
         *$'\n') printf '%s' "$2" ;;
         *) printf '%s\n' "$2" ;;
-    esac > "$tmp" && { [ -z "${3:-}" ] || chmod "$3" -- "$tmp"; } && mv -fT -- "$tmp" "$1" && return 0
+    esac > "$tmp" && { [ -z "${3:-}" ] || chmod "$3" -- "$tmp"; } && move_into_place "$tmp" "$1" && return 0
     rm -f -- "$tmp"
     return 1
 }
@@ -90,12 +95,12 @@ write_atomically() {
 # Status 1 when a step fails: $2 untouched, nothing left behind. (`command install`: the program,
 # even in a script that defines a function of that name.)
 copy_atomically() {
-    command install -m "$3" -- "$1" "$2.new.$$" && mv -fT -- "$2.new.$$" "$2" && return 0
+    command install -m "$3" -- "$1" "$2.new.$$" && move_into_place "$2.new.$$" "$2" && return 0
     rm -f -- "$2.new.$$"
     return 1
 }
 
 # Point the symlink $1 at $2 atomically: a new link beside it, then rename(2) over it
 point_link() {
-    ln -sfn -- "$2" "$1.servestack-new" && mv -fT -- "$1.servestack-new" "$1"
+    ln -sfn -- "$2" "$1.servestack-new" && move_into_place "$1.servestack-new" "$1"
 }

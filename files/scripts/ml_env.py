@@ -1,9 +1,10 @@
 """servestack's host-side tool for the ML environment (runs on the target host, stdlib only).
 
 The control machine (operations/venv.py) sends this file over SSH as
-`python3 -I -S - <command> <params>` (params: base64 of a JSON object) and decides *whether* to run
-it from facts; this file does the mechanical part on the host, where renames are atomic and JSON
-records are written safely:
+`python3 -I -S -c THIS_FILE <command> <params>` (params: base64 of a JSON object; facts/venv.py
+`tool_command`, servestack/scripts.py) and decides *whether* to run it from facts; this file does
+the mechanical part on the host, where renames are atomic and JSON records are written safely
+(`write_json` for files, `switch_link` for links: the only renames over a path here):
 
     packages  print the active environment's packages (the ActivePackages fact; changes nothing)
     backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
@@ -528,9 +529,8 @@ def adopt(venv_path, releases_dir, kind, name):
     os.makedirs(directory, mode=0o755)
     venv = os.path.join(directory, "venv")
     if kind == "venv":
-        os.symlink(venv, venv_path + ".servestack-adopt")
         shutil.move(venv_path, venv)  # a rename on one filesystem; a copy keeping links otherwise
-        os.replace(venv_path + ".servestack-adopt", venv_path)
+        switch_link(venv_path, venv)
     else:
         os.symlink(os.path.realpath(venv_path), venv)
         switch_link(venv_path, venv)

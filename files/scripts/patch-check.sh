@@ -1,4 +1,4 @@
-# patch-check.sh  (PYTHON, RECORD, SUMS, HEADERS, HOLD, ABSENT in the environment; stdin: the check)
+# patch-check.sh SETS REQUEST  (PYTHON, RECORD, SUMS, HEADERS, HOLD, ABSENT in the environment)
 #
 # The state of servestack's source patches in the environment of $PYTHON (facts/patches.py).
 # - $PYTHON is not executable: prints $ABSENT (one JSON line).
@@ -6,8 +6,9 @@
 #   the controller sends) and `sha256sum -c` confirms every other line (each file the check of a set
 #   in place read, $RECORD among them): prints $HOLD, $PYTHON and $RECORD, a line each, then the
 #   record $RECORD. No python starts.
-# - Otherwise runs `$PYTHON -I -` on stdin: servestack/patchlib.py's check or apply, which prints
-#   one JSON object.
+# - Otherwise runs servestack/patchlib.py with `$PYTHON -I -c`: its check or apply of SETS (base64
+#   of zlib-compressed JSON: the patch sets and their digests) as REQUEST (base64 JSON: mode,
+#   package, record path) asks, which prints one JSON object.
 # Exit: 0, or the python check's exit status (non-zero with the reason on stderr).
 set -u
 if [ ! -x "$PYTHON" ]; then
@@ -21,4 +22,5 @@ if [ -n "$SUMS" ] && [ -f "$SUMS" ] && [ -f "$RECORD" ] && IFS= read -r first < 
     cat -- "$RECORD"
     exit 0
 fi
-exec "$PYTHON" -I -
+engine=$(<"${BASH_SOURCE[0]%/*}/../../servestack/patchlib.py")
+exec "$PYTHON" -I -c "$engine" "$@"

@@ -7,13 +7,14 @@
 #   stage PATH              creates PATH's directory (root, 0700) and an empty staging file
 #                           PATH.servestack-new (root, 0600): the upload writes into that file,
 #                           which keeps its owner and mode
-#   place PATH UPLOAD_DIR   renames the staging file over PATH (rename(2): readers see the old
-#                           file or the new one) and removes UPLOAD_DIR, the private directory
-#                           the upload went through
+#   place PATH UPLOAD_DIR   renames the staging file over PATH (helpers.sh `move_into_place`:
+#                           readers see the old file or the new one) and removes UPLOAD_DIR,
+#                           the private directory the upload went through
 #   remove PATH             deletes PATH and any staging file left by an interrupted write
 #
 # Exit: 0 done; non-zero with the reason on stderr. Nothing of the content is ever printed.
 set -eu
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
 
 path=$2
 staging=$path.servestack-new
@@ -27,7 +28,7 @@ case $1 in
     place)
         [ -f "$staging" ] || { echo "secrets-file.sh: nothing staged at $staging" >&2; exit 1; }
         chmod 600 -- "$staging"
-        mv -f -- "$staging" "$path"
+        move_into_place "$staging" "$path"
         rm -rf -- "$3"
         ;;
     remove)

@@ -20,9 +20,8 @@
 #   SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV  the last good release and its venv (empty: none known)
 #   SS_PREVIOUS_LABEL    how messages name what a rollback returns to
 #   SS_PREVIOUS_FINGERPRINT  the last good unit's fingerprint (its record's; empty: a baseline record)
-#   SS_PYTHON            the python that runs the venv step's tool
-#   SS_ML_ENV_TOOL       files/scripts/ml_env.py, which records a rollback in the venv step's
-#                        activation history (where there is one)
+#   SS_PYTHON            the python that runs the venv step's tool (files/scripts/ml_env.py,
+#                        which records a rollback in the venv step's activation history)
 #   SS_ROLLBACK_RECORD   its `record` parameters for going back to SS_PREVIOUS_RELEASE (base64 JSON)
 #   SS_PROGRESS_EVERY    seconds between "waiting ... (N s of M s)" lines (default 5)
 # Output: progress lines on stdout; what failed (with the unit's last journal lines) on stderr.
@@ -35,6 +34,7 @@ invocation=""
 restarts_at_start=""   # the unit's NRestarts once our restart returned (earlier auto-restarts count there)
 
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
+ml_env_tool=$(<"${BASH_SOURCE[0]%/*}/ml_env.py")
 
 # The unit's state, in one `systemctl show`: sets $active $sub $restarts $result $exit_status.
 read_unit_state() {
@@ -151,7 +151,7 @@ reactivate_previous_venv() {
 # `record`) writes it, only where that history exists.
 record_reactivation() {
   [ -n "$SS_PREVIOUS_RELEASE" ] || return 0
-  "$SS_PYTHON" -I -S -c "$SS_ML_ENV_TOOL" record "$SS_ROLLBACK_RECORD" >/dev/null ||
+  "$SS_PYTHON" -I -S -c "$ml_env_tool" record "$SS_ROLLBACK_RECORD" >/dev/null ||
     message "could not record the switch back to $SS_PREVIOUS_RELEASE in the venv step's activation history"
 }
 

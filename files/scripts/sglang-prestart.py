@@ -1,6 +1,6 @@
 """SGLang's own start-up checks of a release, run in the release's python before the service restarts on it.
 
-Usage: <release>/venv/bin/python -I - PARAMS   (this file on stdin; operations/prestart.py sends it)
+Usage: <release>/venv/bin/python -I -c THIS_FILE PARAMS   (operations/prestart.py sends it: servestack/scripts.py)
 PARAMS, a JSON object:
     release   the release id, for the messages
     profile   the service profile, for the messages
@@ -143,7 +143,7 @@ def check(params, result):
 
 def main(argv):
     if len(argv) != 2:
-        sys.stderr.write("usage: python -I - PARAMS_JSON < sglang-prestart.py\n")
+        sys.stderr.write("usage: python -I -c SGLANG_PRESTART_PY PARAMS_JSON\n")
         return 2
     params = json.loads(argv[1])
     os.environ.update(params["env"])

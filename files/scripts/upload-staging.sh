@@ -7,10 +7,11 @@
 #   prepare REMOTE USER        creates the staging directory (owned by USER, mode 700); when REMOTE
 #                              exists and nothing is staged yet, moves REMOTE there (owned by USER),
 #                              so that the upload resumes it. Prints the staged file's path.
-#   place REMOTE USER OWNER    renames the staged file to REMOTE, chowns it to OWNER (root:root) and
-#                              removes the staging directory.
+#   place REMOTE USER OWNER    renames the staged file to REMOTE (helpers.sh `move_into_place`),
+#                              chowns it to OWNER (root:root) and removes the staging directory.
 # Exit: 0 done; non-zero with the reason on stderr.
 set -eu
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
 
 remote=$2 user=$3
 staging=$(dirname -- "$remote")/.incoming-$user
@@ -28,7 +29,7 @@ case $1 in
         printf '%s\n' "$staged"
         ;;
     place)
-        mv -- "$staged" "$remote"
+        move_into_place "$staged" "$remote"
         chown -- "$4" "$remote"
         rmdir -- "$staging"
         ;;

@@ -7,7 +7,6 @@
 #            the host's own addresses
 #   MARK     what starts the report line
 #   PYTHON   the venv's python (python3 when it is not executable)
-#   PROBE    files/scripts/verify-http.py, which the python runs
 #   REQUEST  the POST /generate request (JSON); empty: GET /health only
 #
 # /health alone (the deploy asks it on every converge) is asked as cheaply as the host allows:
@@ -17,9 +16,10 @@
 # drops, so coreutils' timeout bounds bash there (or, without timeout, curl's --max-time).
 #
 # Output: one line, MARK followed by a JSON object: {"base", "health": status | "health_error"}
-# (verify-http.py adds the /generate fields).
+# (files/scripts/verify-http.py, which the python runs, adds the /generate fields).
 # Exit: 0; what failed is in the report.
 set -u
+probe=$(<"${BASH_SOURCE[0]%/*}/verify-http.py")
 
 BASH_CANNOT_CONNECT=100
 
@@ -28,7 +28,7 @@ report() { printf '%s{"base": "%s", %s}\n' "$MARK" "$URL" "$1"; }
 ask_with_python() {
     local python=$PYTHON
     [ -x "$python" ] || python=python3
-    "$python" -I -c "$PROBE" "$MARK" "$URL" "${REQUEST:-null}"
+    "$python" -I -c "$probe" "$MARK" "$URL" "${REQUEST:-null}"
 }
 
 # The report, or exit BASH_CANNOT_CONNECT without one. Run in a subshell (it opens fd 3).

@@ -1,6 +1,6 @@
-# verify-sample.sh  (NVCC, WORK_PARENT, SOURCE, SMI_TIMEOUT in the environment; facts/verify.py CudaSample)
+# verify-sample.sh  (NVCC, WORK_PARENT, SMI_TIMEOUT in the environment; facts/verify.py CudaSample)
 #
-# Builds the CUDA sample SOURCE (files/verify/vector_add.cu) with NVCC, the toolkit under test,
+# Builds the CUDA sample (files/verify/vector_add.cu, which it carries) with NVCC, the toolkit under test,
 # for the architecture of each GPU present (nvidia-smi's compute capabilities), and runs it: it
 # adds two vectors on every GPU and prints `device N ...: PASS|FAIL ...`, then `devices N: PASS|FAIL`.
 # The work directory is made under WORK_PARENT when writable (/tmp may be mounted noexec), else
@@ -12,6 +12,7 @@
 # CUDA runtime could open); 5 nvidia-smi reported no compute capability (or did not answer in
 # time); 6 no work directory; 7 nvcc failed.
 set -u
+sample_source=$(<"${BASH_SOURCE[0]%/*}/../verify/vector_add.cu")
 test -e /dev/nvidiactl || { echo 'no /dev/nvidiactl'; exit 4; }
 smi=(nvidia-smi)
 if command -v timeout >/dev/null 2>&1; then smi=(timeout "$SMI_TIMEOUT" nvidia-smi); fi
@@ -25,7 +26,7 @@ else
     work=$(mktemp -d) || exit 6
 fi
 trap 'rm -rf -- "$work"' EXIT
-printf '%s\n' "$SOURCE" > "$work/vector_add.cu"
+printf '%s\n' "$sample_source" > "$work/vector_add.cu"
 echo "nvcc ${flags[*]}"
 "$NVCC" "${flags[@]}" -o "$work/vector_add" "$work/vector_add.cu" || { echo 'nvcc failed'; exit 7; }
 "$work/vector_add"

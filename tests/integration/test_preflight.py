@@ -40,7 +40,7 @@ def test_doctor_reports_every_check_and_changes_nothing(pf):
     pf.scenario(h2, "doctor-bad")
     pf.set_gpu(h2, Gpu(name="NVIDIA H200", compute_cap="9.0", driver_version="575.57.08"))
     before = {host.name: pf.lab.fingerprint(host) for host in (h1, h2)}
-    result = doctor(pf, "--json", "--limit", "h1,h2")
+    result = doctor(pf, "--json", "--limit", "h1", "--limit", "h2")
     assert result.returncode == 1, result.stderr
     report = json.loads(result.stdout)
     assert report["ok"] is False

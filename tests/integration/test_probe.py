@@ -20,7 +20,7 @@ from facts.toolkit import toolkits_command
 from pyinfra_run import ROOT, apply, run_pyinfra
 from servestack.paths import kept_paths, runfile_candidates
 from servestack.settings import host_settings
-from servestack.verify import load_inventory
+from servestack.fleet import load_inventory
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
         assert json.loads(noop.stdout)["results"]["totals"]["success"] == 0
         assert counts["h1"]["commands"] <= MAX_NOOP_COMMANDS and counts["h1"]["transfers"] == 0, counts
         # preflight and the toolkit step share one read of the toolkits per stage (nvcc, records, runfile stats)
-        assert toolkit_reads(texts, host_settings(load_inventory(the_lab.inventory_path)[0])) == 2
+        assert toolkit_reads(texts, host_settings(list(load_inventory(the_lab.inventory_path))[0])) == 2
         # the execute stage reads the host after the lock's take, under the lock
         sent = [path.read_text() for path in sorted(texts.iterdir())]
         take = [index for index, text in enumerate(sent) if "lock.sh take" in text.replace("'", "")]

@@ -237,7 +237,7 @@ def test_the_deploys_last_step_fails_a_broken_host(converged, tmp_path):
 
 # --- two sandboxes at once -------------------------------------------------------------------------
 
-READ_MARKER = ("import sys; from servestack.verify import backend_for, load_inventory; "
+READ_MARKER = ("import sys; from servestack.fleet import load_inventory; from servestack.verify import backend_for; "
                "[host] = load_inventory(sys.argv[1]); "
                "print(backend_for(host).connect().run('cat /etc/servestack-marker').stdout.strip())")
 

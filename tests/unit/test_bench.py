@@ -462,10 +462,10 @@ def test_the_status_column_shows_the_recorded_decision():
 
 def test_the_cli_and_the_pyinfra_command(monkeypatch):
     args = build_parser().parse_args(["bench", "inv.py", "--runs", "5", "--concurrency", "1,4", "--json", "b.json",
-                                      "--plot", "b.png", "--limit", "h1,gpu"])
+                                      "--plot", "b.png", "--limit", "h1", "--limit", "gpu"])
     assert (args.runs, args.concurrency, args.json_path, args.plot_path, args.limit) == (5, "1,4", "b.json", "b.png",
-                                                                                        "h1,gpu")
-    argv = bench.pyinfra_argv("inv.py", "h1,gpu", {"runs": 5})
+                                                                                        ["h1", "gpu"])
+    argv = bench.pyinfra_argv("inv.py", args.limit, {"runs": 5})
     assert argv[1:6] == ["-y", "--limit", "h1", "--limit", "gpu"]
     assert argv[-2:] == [bench.ON_DEMAND, json.dumps([[], {"runs": 5}])]
     monkeypatch.setattr(bench, "plotting_available", lambda: False)

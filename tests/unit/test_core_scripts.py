@@ -90,14 +90,51 @@ def test_the_helpers_travel_in_place_of_the_line_that_sources_them():
     assert "<<" not in helpers and len("\n".join(code)) < len(helpers) / 2   # no heredoc a comment line could be in
     for name in USING_HELPERS:
         before, after = (SCRIPTS / name).read_text().split(HELPERS_LINE + "\n")
-        assert script_text(name) == before + "\n".join(code) + "\n" + after, name
+        assert script_text(name) == before + "\n".join(code) + "\n" + with_files_read(after), name
     assert script_text("disk-free.sh") == (SCRIPTS / "disk-free.sh").read_text()
+
+
+FILE_READ = re.compile(r'^(\w+)=\$\(<"\$\{BASH_SOURCE\[0\]%/\*\}/([^"]+)"\)$', flags=re.MULTILINE)
+
+
+def with_files_read(text: str) -> str:
+    """`text` as it is sent: each line `NAME=$(<"${BASH_SOURCE[0]%/*}/PATH")` is NAME set to PATH's text."""
+    return FILE_READ.sub(lambda read: f"{read[1]}={shlex.quote(read_as_shell_does(SCRIPTS / read[2]))}", text)
+
+
+def read_as_shell_does(path: Path) -> str:
+    """`$(<PATH)`: the file's text without its final line breaks."""
+    return path.read_text().rstrip("\n")
+
+
+def test_a_file_a_script_reads_travels_in_the_command_in_place_of_the_read(tmp_path):
+    """The gate runs the venv step's tool, patch-check.sh the patch engine, verify-http.sh its probe:
+    each reads the file beside it where it lies, and carries its text when sent."""
+    reads = {name: FILE_READ.findall((SCRIPTS / name).read_text()) for name in
+             ("sglang-health-gate.sh", "patch-check.sh", "verify-http.sh")}
+    assert reads == {"sglang-health-gate.sh": [("ml_env_tool", "ml_env.py")],
+                     "patch-check.sh": [("engine", "../../servestack/patchlib.py")],
+                     "verify-http.sh": [("probe", "verify-http.py")]}
+    for name in reads:
+        assert not FILE_READ.search(script_text(name)), name
+    text = "x=1\n" + 'tool=$(<"${BASH_SOURCE[0]%/*}/verify-python.py")\n' + 'printf %s "$tool"\n'
+    (tmp_path / "reads.sh").write_text(text)
+    (tmp_path / "verify-python.py").write_text((SCRIPTS / "verify-python.py").read_text())  # beside it, as here
+    script_text.cache_clear()
+    try:
+        sent = script_text(str(tmp_path / "reads.sh"))
+        here = subprocess.run([BASH, str(tmp_path / "reads.sh")], capture_output=True, text=True)
+    finally:
+        script_text.cache_clear()
+    probe = read_as_shell_does(SCRIPTS / "verify-python.py")
+    assert sent == f"x=1\ntool={shlex.quote(probe)}\n" + 'printf %s "$tool"\n'
+    assert subprocess.run([BASH, "-c", sent], capture_output=True, text=True).stdout == here.stdout == probe
 
 
 def test_no_script_defines_again_what_the_helpers_define():
     shared = functions_defined((SCRIPTS / HELPERS).read_text())
     assert {"progress", "message", "require", "hold_busy_file", "utc_stamp", "first_line", "join_lines", "resolve",
-            "dpkg_owner", "write_atomically", "copy_atomically", "point_link"} <= shared
+            "dpkg_owner", "move_into_place", "write_atomically", "copy_atomically", "point_link"} <= shared
     for name in SHELL_SCRIPTS:
         assert not functions_defined((SCRIPTS / name).read_text()) & shared, name
 

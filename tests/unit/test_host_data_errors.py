@@ -232,20 +232,45 @@ def test_the_pyinfra_cli_shows_a_refusal_as_its_own_error_not_as_a_line_of_serve
     assert "preconnect.py" not in output and "Connecting to hosts" not in output
 
 
-def test_a_run_with_no_host_in_its_limit_is_refused_not_a_success(tmp_path):
+def test_a_limit_that_matches_no_host_is_refused_not_a_success(tmp_path):
     """The real CLI: a rollback whose --limit names no host of the inventory (a typo, or two names
-    joined by a comma, which pyinfra does not split) must not end with exit 0 having done nothing."""
+    joined by a comma, which pyinfra does not split) must not end with exit 0 having done nothing;
+    nor may a typo in one of two --limit names run on the other host alone (pyinfra only warns)."""
     inventory = tmp_path / "inventory.py"
     inventory.write_text('hosts = [("gpu-a", {"ssh_hostname": "127.0.0.1", "servestack_allow_local": True}), '
                          '("gpu-b", {"ssh_hostname": "127.0.0.1", "servestack_allow_local": True})]\n')
-    pyinfra = Path(sys.executable).parent / "pyinfra"
-    for limit in ("gpu-c", "gpu-a,gpu-b"):
-        run = subprocess.run([str(pyinfra), str(inventory), "rollback.py", "--limit", limit, "-y"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-        output = run.stdout + run.stderr
-        assert run.returncode == 1, output
-        assert ("no host to run on: none of the inventory's hosts (gpu-a, gpu-b) is in the --limit given" in output)
+    expected = {("gpu-c",): "--limit gpu-c: no group or host of the inventory matches",
+                ("gpu-a,gpu-b",): "--limit gpu-a,gpu-b: no group or host of the inventory is named that; a comma "
+                                  "does not separate names: give --limit once per name (--limit gpu-a --limit gpu-b)",
+                ("gpu-a", "gpu-x"): "--limit gpu-x: no group or host of the inventory matches"}
+    for limits, line in expected.items():
+        output, returncode = _pyinfra(inventory, "rollback.py", *(w for name in limits for w in ("--limit", name)))
+        assert returncode == 1, output
+        assert "--> pyinfra error: refusing to run (nothing was changed on any host):" in output
+        assert line in output
         assert "Connecting to hosts" not in output
+
+
+def test_an_inventory_file_that_does_not_exist_is_refused_before_pyinfra_reads_the_name():
+    """pyinfra reads a misspelled inventory file name as a module or host name, looks it up in DNS (a path
+    too long for a DNS label crashed it), and runs on no host with exit 0."""
+    for missing in ("flet.py", "/tmp/servestack-no-such-dir/a-name-longer-than-a-dns-label-may-be-at-all/fleet.pyy"):
+        output, returncode = _pyinfra(missing, "rollback.py")
+        assert returncode == 1, output
+        assert f"--> pyinfra error: {missing}: inventory file not found (in {ROOT})" in output
+        assert "Loading inventory" not in output and "internal exception" not in output
+
+
+def test_an_inventory_without_hosts_is_refused():
+    with pytest.raises(ConfigError, match="no host to run on: the inventory has no hosts"):
+        validate_targets(FakeState([]), environ={})
+
+
+def _pyinfra(inventory, deploy_file, *options) -> tuple[str, int]:
+    pyinfra = Path(sys.executable).parent / "pyinfra"
+    run = subprocess.run([str(pyinfra), str(inventory), deploy_file, *options, "-y"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    return run.stdout + run.stderr, run.returncode
 
 
 def test_the_limit_decides_which_hosts_are_checked():

@@ -46,7 +46,7 @@ def then_runs():
     yield "echo after"
 
 
-# --- refuse / refuse_now -------------------------------------------------------------------------
+# --- fail_host / refuse ----------------------------------------------------------------------------
 
 
 def test_refuse_at_prepare_fails_the_host_now(logs):
@@ -85,14 +85,53 @@ def test_at_execute_refuse_is_one_function_command_that_fails_when_run(logs):
     assert "refused: a" in logs.text and "refused: b" in logs.text
 
 
-def test_refuse_now_from_a_deploy_function_fails_the_real_host(logs):
+def test_fail_host_from_a_deploy_function_fails_the_real_host(logs):
     state, gpu1, gpu2 = two_hosts()
     with ctx_host.use(gpu1):
         assert not hostrun.host_refused(host)
-        hostrun.refuse_now(host, ["bad host data"])      # the context proxy, as deploy code has it
+        assert hostrun.fail_host(host, hostrun.REFUSED, ["bad host data"]) is False   # the context proxy
         assert hostrun.host_refused(host)
     assert state.failed_hosts == {gpu1} and not hostrun.host_refused(gpu2)
     assert "refused: bad host data" in logs.text
+    assert hostrun.reasons(state) == {"@fake/gpu1": [hostrun.Reason("refused", "bad host data")]}
+
+
+@operation()
+def checks_after(problem: str):
+    def check(state, host):
+        return hostrun.fail_host(host, hostrun.FAILED, [problem])
+    yield FunctionCommand(check, (), {})
+
+
+def test_a_function_command_fails_the_host_with_its_lines_as_said_and_its_reason_kept(logs):
+    state, gpu1, gpu2 = two_hosts()
+    hostrun.record_failed_commands(state)
+    add_op(state, checks_after, problem="toolkit check failed: nvcc reports 12.4", host=gpu1)
+    add_op(state, then_runs)
+    assert state.failed_hosts == set()
+    run_ops(state)
+    assert state.failed_hosts == {gpu1} and "echo after" in gpu2.connector.executed_commands
+    errors = [record.getMessage() for record in logs.records if record.levelno == logging.ERROR]
+    assert sum("toolkit check failed: nvcc reports 12.4" in line for line in errors) == 1
+    assert "refused:" not in logs.text
+    said = hostrun.Reason("failed", "toolkit check failed: nvcc reports 12.4")
+    assert hostrun.reasons(state) == {"@fake/gpu1": [said]}
+
+
+def test_a_command_pyinfra_runs_that_fails_the_host_leaves_its_stderr_as_the_reason():
+    state, gpu1, _ = two_hosts({"broken-step": {"success": False, "stderr": ["warming up", "servestack: no space left",
+                                                                             "exit 1"]}})
+    hostrun.record_failed_commands(state)
+    add_op(state, fails, name="Broken step", host=gpu1)
+    run_ops(state)
+    assert hostrun.reasons(state) == {"@fake/gpu1": [hostrun.Reason(
+        "failed", "'Broken step' failed: servestack: no space left")]}
+
+
+def test_what_a_failed_command_said_is_servestacks_first_line_or_its_last():
+    assert hostrun.said_in(["x", "servestack: a", "servestack: b"]) == "servestack: a"
+    assert hostrun.said_in(["first", "  last  ", " "]) == "last"
+    assert hostrun.said_in([]) == "no error output" and hostrun.said_in([], nothing="no output") == "no output"
 
 
 # --- write_record / run_remote --------------------------------------------------------------------

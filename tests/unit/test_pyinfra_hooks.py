@@ -377,3 +377,18 @@ def test_the_cli_package_loads_without_patching_this_process_while_its_plain_imp
                            capture_output=True, text=True)
     assert ours.stdout.split() == ["False", "False", "True"], ours.stderr
     assert plain.stdout.split() == ["True", "True", "True"], plain.stderr
+
+
+# --- 7. cli_argument ----------------------------------------------------------------------------
+
+
+def test_cli_argument_reads_the_pyinfra_commands_inventory_and_limit_patterns():
+    """pyinfra's click command names its inventory argument `inventory` and its repeatable option `limit`."""
+    pyinfra_hooks.import_pyinfra_cli()
+    from pyinfra_cli.cli import cli
+
+    context = cli.make_context("pyinfra", ["fleet.py", "deploy.py", "--limit", "gpu-a", "--limit", "gpu_hosts"])
+    with context:
+        assert pyinfra_hooks.cli_argument("inventory") == "fleet.py"
+        assert tuple(pyinfra_hooks.cli_argument("limit")) == ("gpu-a", "gpu_hosts")
+    assert pyinfra_hooks.cli_argument("limit") is None

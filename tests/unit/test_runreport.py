@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 
-from servestack import runreport
+import pytest
+from pyinfra import host
+from pyinfra.api import Config, FunctionCommand, Inventory, State, operation
+from pyinfra.api.connect import connect_all
+from pyinfra.api.exceptions import PyinfraError
+from pyinfra.api.operation import add_op
+from pyinfra.api.operations import run_ops
+
+from servestack import hostrun, runreport
+from tests.unit.fake_host import fake_state
 
 
 def test_each_long_step_says_what_the_next_run_does_and_others_get_the_general_answer():
@@ -50,18 +60,38 @@ def test_a_run_that_would_ask_with_stdin_closed_is_refused_with_a_message(tmp_pa
 
 
 def test_pyinfra_says_no_ready_line_for_a_host_it_just_refused():
-    import logging
-
-    from servestack import hostrun
-    from tests.unit.fake_host import fake_state
-
     state = fake_state({})
-    host = state.inventory.get_host("@fake/gpu1")
-    hostrun._log_problems(host, ["no NVIDIA driver answers"])
+    gpu1 = state.inventory.get_host("@fake/gpu1")
+    with pytest.raises(PyinfraError, match="No hosts remaining"):   # its only host (the CLI exits 1)
+        hostrun.fail_host(gpu1, hostrun.REFUSED, ["no NVIDIA driver answers"])
     keep = runreport.NoReadyAfterRefusal(state).filter
 
     def record(text):
         return logging.LogRecord("pyinfra", logging.INFO, __file__, 1, text, (), None)
 
-    assert not keep(record(f"{host.print_prefix}Ready: deploy.py"))   # as pyinfra's loader logs it
+    assert not keep(record(f"{gpu1.print_prefix}Ready: deploy.py"))   # as pyinfra's loader logs it
     assert keep(record("[h2] Ready: deploy.py")) and keep(record("[@fake/gpu1] Connected"))
+
+
+def test_the_recap_gives_each_failed_hosts_reason_as_hostrun_kept_it():
+    @operation()
+    def step():
+        if host.name == "@fake/gpu1":   # a check on the controller: servestack says why
+            yield FunctionCommand(lambda state, host: hostrun.fail_host(host, hostrun.FAILED, [
+                "toolkit check failed: nvcc reports 12.4"]), (), {})
+        else:                           # a command pyinfra runs: its stderr says why
+            yield "write-unit"
+
+    inventory = Inventory((["@fake/gpu1", "@fake/gpu2"], {"fake_delay": 0, "fake_delay_jitter": 0, "fake_responses": {
+        "write-unit": {"success": False, "stderr": ["servestack: /etc/systemd/system is read-only", "exit 1"]}}}))
+    state = State(inventory, Config())
+    connect_all(state)
+    report = runreport.RunReport(state)
+    state.add_callback_handler(report)
+    hostrun.record_failed_commands(state)
+    add_op(state, step, name="Step")
+    with pytest.raises(PyinfraError, match="No hosts remaining"):
+        run_ops(state)
+    assert [(row["host"], row["status"], row["reason"]) for row in runreport.recap(report)] == [
+        ("@fake/gpu1", "failed", "toolkit check failed: nvcc reports 12.4"),
+        ("@fake/gpu2", "failed", "'Step' failed: servestack: /etc/systemd/system is read-only")]

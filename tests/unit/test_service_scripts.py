@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from facts.service import parse_record
 from operations import service
 from servestack.paths import secrets_staging_path, service_record_path
 from servestack.releases import TOOL
-from servestack.scripts import SCRIPTS, atomic_write_command, script_command
+from servestack.scripts import SCRIPTS, atomic_write_command, script_command, script_text
 from servestack.settings import settings_from_data
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the scripts set root ownership")
@@ -255,10 +256,11 @@ def test_the_gate_records_its_rollback_with_the_venv_steps_tool():
     """One writer of the activation history (files/scripts/ml_env.py): the gate runs no Python
     of its own."""
     text = (SCRIPTS / service.GATE_SCRIPT).read_text()
-    assert "<<" not in text and 'record "$SS_ROLLBACK_RECORD"' in text
+    assert "<<" not in text and '-c "$ml_env_tool" record "$SS_ROLLBACK_RECORD"' in text
+    tool = TOOL.read_text().rstrip("\n")
+    assert f"\nml_env_tool={shlex.quote(tool)}\n" in script_text(service.GATE_SCRIPT)  # in the command
     env = service.gate_environment(settings(), service.release(settings(), "r-0123456789ab"), "f" * 64,
                                    {"release": "r-ba9876543210"})
-    assert env["SS_ML_ENV_TOOL"] == TOOL.read_text()
     assert json.loads(base64.b64decode(env["SS_ROLLBACK_RECORD"])) == {
         "state_dir": "/var/lib/servestack", "release": "r-ba9876543210", "previous": "r-0123456789ab",
         "by": "service-rollback", "only_where_kept": True}

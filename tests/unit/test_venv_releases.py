@@ -3,14 +3,16 @@
 import base64
 import json
 import re
+import shlex
 
 import pytest
 
 from servestack.errors import ConfigError
 from servestack.manifest import load_manifest
+from facts.venv import guarded_tool_command, tool_command
 from servestack.releases import (
-    HEREDOC, NoRollbackTarget, encode, format_diff, guarded_tool_command,
-    package_diff, python_series, release_plan, releases_to_prune, rollback_target, tool_command, upload_bound,
+    TOOL, NoRollbackTarget, encode, format_diff,
+    package_diff, python_series, release_plan, releases_to_prune, rollback_target, upload_bound,
 )
 from servestack.settings import settings_from_data
 
@@ -128,12 +130,11 @@ def test_python_series():
 
 def test_tool_command_ships_the_tool_and_its_params():
     command = tool_command("python3", "packages", {"venv_path": "/opt/ml-env"})
-    first, *body = command.splitlines()
-    assert first.startswith("python3 -I -S - packages ") and first.endswith(f"<<'{HEREDOC}'")
-    params = json.loads(base64.b64decode(first.split()[5]))
-    assert params == {"venv_path": "/opt/ml-env"}
-    assert body[-1] == HEREDOC and "def command_packages" in command
-    assert guarded_tool_command("python3", "state", {}).startswith("if command -v python3 ")
+    words = shlex.split(command)
+    assert words[:5] == ["python3", "-I", "-S", "-c", TOOL.read_text()] and words[5] == "packages"
+    assert json.loads(base64.b64decode(words[6])) == {"venv_path": "/opt/ml-env"} and len(words) == 7
+    guarded = guarded_tool_command("python3", "state", {})
+    assert guarded == f"if command -v python3 >/dev/null 2>&1; then {tool_command('python3', 'state', {})}; fi"
 
 
 def test_encode_is_shell_safe():

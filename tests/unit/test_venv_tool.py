@@ -33,7 +33,7 @@ from operations.venv import activate_release, mlenv_fact_arguments
 from sandbox.standins.stack import reference_stack
 from sandbox.standins.wheels import TORCH_TAG, WheelSpec, build_wheel, standin_wheel
 from servestack.manifest import load_manifest
-from servestack.releases import CHECK, HEREDOC, TOOL, encode, release_at, release_plan
+from servestack.releases import CHECK, TOOL, encode, release_at, release_plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 import venv_index  # noqa: E402
@@ -716,7 +716,8 @@ def test_the_fact_sees_every_change_to_what_the_state_is_read_from(pretend, chan
 @pytest.fixture
 def run_on_pretend(monkeypatch, pretend):
     """The @fake connector, but the tool's commands (params: base64) really run on the pretend host."""
-    run_here(monkeypatch, lambda command: HEREDOC in command or "ml-env-state.sh" in command, pretend.sh)
+    run_here(monkeypatch, lambda command: "def command_packages(params)" in command or "ml-env-state.sh" in command,
+             pretend.sh)
 
 
 def fake_host_of(state):

@@ -385,7 +385,7 @@ def run_sample_script(h200, nvcc: str, sample: str, smi: str = "printf '9.0\\n9.
     prints $SAMPLE), its device node test taken as passed (this machine has no GPU)."""
     write_script(h200.bin / "nvidia-smi", f"#!/bin/sh\n{smi}\n")
     write_script(h200.bin / "nvcc", "#!/bin/sh\n" + nvcc)
-    env = {"NVCC": str(h200.bin / "nvcc"), "WORK_PARENT": str(h200.state), "SOURCE": SAMPLE_SOURCE.read_text(),
+    env = {"NVCC": str(h200.bin / "nvcc"), "WORK_PARENT": str(h200.state),
            "PATH": f"{h200.bin}:{os.environ['PATH']}", "SAMPLE": sample, "SMI_TIMEOUT": str(smi_timeout)}
     text = script_text("verify-sample.sh").replace("test -e /dev/nvidiactl", "true")  # no device node here
     run = subprocess.run(["bash", "-c", reporting(f"bash -c {shlex.quote(text)} verify-sample.sh")],

@@ -16,6 +16,7 @@ import pytest
 
 from servestack.checks.catalogue import CHECKS_BY_NAME
 from servestack.errors import ConfigError
+from servestack.fleet import LIMIT_HELP
 from servestack.verify import Target, parse_host_data, prefetch, targets_from_inventory, targets_from_testinfra
 
 TARGETS = pytest.StashKey[list]()
@@ -25,7 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("servestack", "servestack verification")
     group.addoption("--inventory", default=None, help="pyinfra inventory file: verify each of its hosts")
     group.addoption("--limit", action="append", default=[],
-                    help="only these groups or hosts (names or globs, comma separated), as pyinfra's --limit")
+                    help=LIMIT_HELP)
     group.addoption("--host-data", action="append", default=[], metavar="KEY=VALUE",
                     help="override host data for every host, parsed like pyinfra's --data")
 
