@@ -7,12 +7,14 @@ A host that fails preflight is refused with one line per problem and runs no oth
 step decides (the release this run leaves active) is passed to the next as an argument.
 """
 
-from pyinfra import host
+from pyinfra import host, state
 
 from operations import patches, preflight, prestart, service, speculation, toolkit, venv, verify
 from servestack.pyinfra_hooks import index_deploy_file
+from servestack.run_checks import after_connecting
 from servestack.settings import host_settings
 
+after_connecting(state)     # the checks config.py makes, when pyinfra ran from another directory
 index_deploy_file(__file__)  # pyinfra inspects this file's frame for every operation
 
 

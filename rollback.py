@@ -19,12 +19,14 @@ deploy.py; after it, the service step re-renders the unit for the re-activated r
 ExecStart names the release's python) and restarts it through the same health gate as deploy.py.
 """
 
-from pyinfra import host
+from pyinfra import host, state
 
 from operations import preflight, service, venv
 from servestack.pyinfra_hooks import index_deploy_file
+from servestack.run_checks import after_connecting
 from servestack.settings import host_settings
 
+after_connecting(state)     # the checks config.py makes, when pyinfra ran from another directory
 index_deploy_file(__file__)  # pyinfra inspects this file's frame for every operation
 
 

@@ -60,14 +60,14 @@ def check_parameters(settings: Settings, release: Release) -> dict:
 
 
 @operation()
-def sglang_prestart(settings: Settings, release: Release):
+def sglang_prestart(release: Release):
     """
     Run SGLang's own start-up checks of `release` with the host's command line, when the service is
     about to run something new.
 
-    + settings: the host's validated settings
     + release: the release the service will run (built and patched)
     """
+    settings = host_settings(host)
     reason = due(settings, release)
     if reason is None:
         noop(host, f"{settings.service_name} runs release {release.id} as last verified healthy: no pre-start check")
@@ -80,4 +80,4 @@ def sglang_prestart(settings: Settings, release: Release):
 @deploy("SGLang pre-start check")
 def prestart(release: Release):
     """SGLang's checks of `release` before venv_path and the service change."""
-    sglang_prestart(name="SGLang pre-start check", settings=host_settings(host), release=release)
+    sglang_prestart(name="SGLang pre-start check", release=release)

@@ -72,7 +72,7 @@ from servestack.paths import (
 )
 from servestack.pyinfra_hooks import inner
 from servestack.releases import Release, encode, release_at
-from servestack.scripts import atomic_write_command, script
+from servestack.scripts import atomic_copy_command, atomic_write_command, script
 from servestack.serving import GENERATE_REQUEST, check_url, launch_arguments, service_environment, speculates
 from servestack.settings import Settings, host_settings, secret_variable_problems
 from servestack.speculation_policy import identity_fingerprint, speculation_wanted
@@ -444,13 +444,13 @@ def _user_is_current(settings: Settings, groups: tuple[str, ...]) -> bool:
 
 
 @operation()
-def service_user(settings: Settings, groups: tuple[str, ...] = ()):
+def service_user(groups: tuple[str, ...] = ()):
     """
     The service's dedicated system user (pyinfra's ``server.user``), with its home directory.
 
-    + settings: the host's validated settings
     + groups: its supplementary groups (the GPU device groups present on the host)
     """
+    settings = host_settings(host)
     if _user_is_current(settings, groups):
         noop(host, f"user {settings.service_user} exists as configured")
         return
@@ -465,16 +465,16 @@ def service_user(settings: Settings, groups: tuple[str, ...] = ()):
 
 
 @operation()
-def cache_directory(settings: Settings, release: Release):
+def cache_directory(release: Release):
     """
     Create the JIT cache directory of the release, owned by the service user.
 
-    + settings: the host's validated settings (``servestack.settings.host_settings``)
     + release: the release the service runs (deploy.py: the one this run leaves active)
 
     The directory is ``<service_cache_dir>/<cuda_version>-<release id>``: kernels compiled by
     one toolkit for one release are never picked up by another.
     """
+    settings = host_settings(host)
     path = release_cache_dir(settings, release.id)
     if reads.fact(host, PathOwner, path=path) == {"owner": settings.service_user, "mode": "750"}:
         noop(host, f"cache directory {path} exists")
@@ -487,11 +487,10 @@ def cache_directory(settings: Settings, release: Release):
 
 
 @operation()
-def secrets_file(settings: Settings, content: Secret | None):
+def secrets_file(content: Secret | None):
     """
     Write the service's secrets file (root, 0600) or remove it when no secrets are configured.
 
-    + settings: the host's validated settings
     + content: the file's text (from ``secrets_content``), or None for no secrets file
 
     The file is compared by sha256. Its content is never logged, diffed or put on a command line:
@@ -499,6 +498,7 @@ def secrets_file(settings: Settings, content: Secret | None):
     SFTP into a file that is 0600 before any byte is written, through a private (0700) temporary
     directory (files/scripts/secrets-file.sh).
     """
+    settings = host_settings(host)
     path = secrets_path(settings)
     current = reads.fact(host, Sha256File, path=path)
     if content is None:
@@ -521,12 +521,11 @@ def secrets_file(settings: Settings, content: Secret | None):
 
 
 @operation()
-def unit(settings: Settings, release: Release, supplementary_groups: tuple[str, ...] = (),
+def unit(release: Release, supplementary_groups: tuple[str, ...] = (),
          pre_deploy_venv: dict | None = None):
     """
     Render the unit for the release, install it, keep a copy in the release, enable it.
 
-    + settings: the host's validated settings
     + release: the release the unit runs (deploy.py: the one this run leaves active; in ``--dry``
       it may not exist yet, its paths are known)
     + supplementary_groups: groups giving the service user the GPU devices (``video``, ``render``)
@@ -538,6 +537,7 @@ def unit(settings: Settings, release: Release, supplementary_groups: tuple[str, 
     known-good one, so a failed first restart goes back to it. ``--diff`` shows the unit's diff.
     Writing the unit never restarts the service: ``restart`` decides that.
     """
+    settings = host_settings(host)
     if not reads.fact(host, Which, command="curl"):
         yield from refuse(host, ["curl is needed on the host for the service health gate; install it "
                                  "(the service was not touched)"])
@@ -578,8 +578,7 @@ def _baseline_commands(settings: Settings, current_lines: list[str], pre_deploy_
     record = json.dumps({"fingerprint": None, "release": release_id, "unit": unit_path(settings),
                          "baseline": "the unit found before servestack first replaced it"})
     return [
-        StringCommand("install", "-D", "-m", "644", "--", QuoteString(unit_path(settings)),
-                      QuoteString(good_unit_path(settings))),
+        StringCommand(atomic_copy_command(unit_path(settings), good_unit_path(settings), "644")),
         StringCommand(atomic_write_command(service_record_path(settings), record, "644")),
     ]
 
@@ -613,12 +612,11 @@ def _log_unit_diff(path: str, current_lines: list[str], text: str) -> None:
 
 
 @operation()
-def restart(settings: Settings, release: Release, secrets_sha: str | None = None,
+def restart(release: Release, secrets_sha: str | None = None,
             supplementary_groups: tuple[str, ...] = ()):
     """
     Restart the service when what it runs with changed, gate it on health, roll back on failure.
 
-    + settings: the host's validated settings
     + release: the release the unit runs (as given to ``unit``)
     + secrets_sha: sha256 of the desired secrets file (None: no secrets file)
     + supplementary_groups: as given to ``unit`` (part of the rendered unit)
@@ -630,6 +628,7 @@ def restart(settings: Settings, release: Release, secrets_sha: str | None = None
     message saying what failed and that it was rolled back. Run it with ``_parallel=rollout_batch``:
     once more than ``rollout_failure_budget`` hosts failed their gate, the others are not restarted.
     """
+    settings = host_settings(host)
     wanted = fingerprint(desired_unit(settings, release, supplementary_groups), secrets_sha)
     record = reads.fact(host, ServiceRecord, path=service_record_path(settings))
     state = reads.fact(host, UnitState, unit=settings.service_name)
@@ -682,12 +681,12 @@ def sglang_service(release: Release):
         fail_host(host, REFUSED, [login])
         return
     groups = gpu_groups()
-    service_user(name=f"Service user {settings.service_user}", settings=settings, groups=groups)
-    cache_directory(name="Service JIT cache directory", settings=settings, release=release)
-    secrets_file(name="Service secrets file", settings=settings, content=secrets)
-    unit(name=f"Unit {settings.service_name}", settings=settings, release=release, supplementary_groups=groups,
+    service_user(name=f"Service user {settings.service_user}", groups=groups)
+    cache_directory(name="Service JIT cache directory", release=release)
+    secrets_file(name="Service secrets file", content=secrets)
+    unit(name=f"Unit {settings.service_name}", release=release, supplementary_groups=groups,
          pre_deploy_venv=(reads.fact(host, MlEnvState, **mlenv_fact_arguments(settings)) or {}).get("venv_path"))
-    restart(name=f"Health-gated restart of {settings.service_name}", settings=settings, release=release,
+    restart(name=f"Health-gated restart of {settings.service_name}", release=release,
             secrets_sha=sha256_text(secrets) if secrets else None, supplementary_groups=groups,
             _parallel=settings.rollout_batch)
 

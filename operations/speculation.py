@@ -134,17 +134,17 @@ def _on_demand_problem(settings: Settings, release: Release) -> str | None:
 
 
 @operation()
-def benchmark(settings: Settings, release: Release, on_demand: dict | None = None):
+def benchmark(release: Release, on_demand: dict | None = None):
     """
     Benchmark the service with and without speculation when the policy needs it; leave the host in
     the configuration the policy chooses and record the measurement and the decision.
 
-    + settings: the host's validated settings
     + release: the release the service runs (deploy.py: the one this run leaves active)
     + on_demand: ``servestack bench``'s options (``runs``, ``concurrency``, ``request``): measure now,
       whatever the policy and the record say (None: the deploy's step, measuring only under "auto"
       when nothing is recorded for what the service runs)
     """
+    settings = host_settings(host)
     if not speculates(settings):
         noop(host, f"service profile {settings.service_profile} runs no speculative decoding "
                    "(speculative_algorithm NONE): nothing to measure")
@@ -256,7 +256,7 @@ def speculation(release: Release):
     + release: the release the service runs (deploy.py: the one this run leaves active)
     """
     settings = host_settings(host)
-    benchmark(name=BENCHMARK, settings=settings, release=release, _parallel=settings.rollout_batch)
+    benchmark(name=BENCHMARK, release=release, _parallel=settings.rollout_batch)
 
 
 @deploy("Speculation benchmark on demand")
@@ -268,7 +268,7 @@ def measure(release: Release, on_demand: dict):
     + on_demand: ``runs``, ``concurrency``, ``request`` (see ``benchmark``)
     """
     settings = host_settings(host)
-    benchmark(name=BENCHMARK, settings=settings, release=release, on_demand=on_demand, _parallel=settings.rollout_batch)
+    benchmark(name=BENCHMARK, release=release, on_demand=on_demand, _parallel=settings.rollout_batch)
 
 
 def _steps_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:

@@ -96,13 +96,15 @@ def noop(host, text: str) -> None:
         host.log(f"no change: {text}")
 
 
-REFUSED = "refused"   # servestack would not change the host
-FAILED = "failed"     # a step failed on it
+REFUSED = "refused"          # servestack would not change the host
+FAILED = "failed"            # a step failed on it
+UNREACHABLE = "unreachable"  # pyinfra could not connect to it
 
 
 @dataclass(frozen=True)
 class Reason:
-    """Why a host stopped: `refused` (servestack would not change it) or `failed` (a step failed)."""
+    """Why a host stopped: `refused` (servestack would not change it), `failed` (a step failed) or
+    `unreachable` (pyinfra could not connect to it)."""
 
     kind: str
     text: str
@@ -199,7 +201,13 @@ def op_name(state, op_hash) -> str:
 
 class _FailedCommands(BaseStateCallback):
     """An operation that failed on a host without saying why through `fail_host` (a command pyinfra
-    ran itself failed): its reason is its stderr, read once pyinfra has kept it (after this callback)."""
+    ran itself failed): its reason is its stderr, read once pyinfra has kept it (after this callback).
+    A host pyinfra could not connect to: what the connector said."""
+
+    @staticmethod
+    def host_connect_error(state, host, error):
+        said = str(error).removeprefix("Could not connect").strip().removeprefix("(").removesuffix(")")
+        _remember(state, host, UNREACHABLE, [f"cannot connect: {said or type(error).__name__}"])
 
     @staticmethod
     def operation_host_error(state, host, op_hash, retry_attempt=0, max_retries=0):
@@ -208,7 +216,8 @@ class _FailedCommands(BaseStateCallback):
 
 
 def record_failed_commands(state) -> None:
-    """Keep a reason for each host whose failure no servestack code said (servestack/runreport.py)."""
+    """Keep a reason for each host whose failure no servestack code said, and for each host that could not
+    be reached (servestack/runreport.py)."""
     state.add_callback_handler(_FailedCommands())
 
 

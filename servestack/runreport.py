@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from pyinfra.api.state import BaseStateCallback
 
-from servestack.hostrun import REFUSED, notes, op_name, reasons, record_failed_commands
+from servestack.hostrun import REFUSED, UNREACHABLE, notes, op_name, reasons, record_failed_commands
 
 EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -110,15 +110,16 @@ def host_recap(report: RunReport, host) -> dict:
     failed = host in state.failed_hosts
     noted = notes(state).get(host.name, {})
     if failed:   # refused: servestack would not touch it, and nothing changed; failed: a step failed
-        status = "refused" if not changed and said and said[0].kind == REFUSED else "failed"
+        status = said[0].kind if not changed and said and said[0].kind in (REFUSED, UNREACHABLE) else "failed"
     else:
         status = "changed" if changed else "unchanged"
     reason = said[0].text if said else None
     restarted = any("Health-gated restart" in name and meta.did_change()
                     for op_hash, meta in zip(state.ops.get(host, {}), ops) if meta.is_complete()
                     for name in state.get_op_meta(op_hash).names)
-    return {"host": host.name, "status": status, "changed": changed if status != "refused" else 0,
-            "unchanged": len(complete) - changed if status != "refused" else 0,
+    untouched = status in (REFUSED, UNREACHABLE)
+    return {"host": host.name, "status": status, "changed": 0 if untouched else changed,
+            "unchanged": 0 if untouched else len(complete) - changed,
             "release": noted.get("release") if status in ("changed", "unchanged") else noted.get("was"),
             "service_restarted": restarted, "reason": reason}
 
@@ -129,12 +130,13 @@ def recap(report: RunReport) -> list[dict]:
 
 def recap_lines(rows: list[dict]) -> list[str]:
     width = max([len(row["host"]) for row in rows] + [4])
+    status_width = max([len(row["status"]) for row in rows] + [9])
     lines = ["SERVESTACK RECAP"]
     for row in rows:
         release = row["release"] or "-"
         service = "restarted" if row["service_restarted"] else "not restarted"
-        line = (f"{row['host']:<{width}}  {row['status']:<9} changed={row['changed']} unchanged={row['unchanged']} "
-                f"release={release} service={service}")
+        line = (f"{row['host']:<{width}}  {row['status']:<{status_width}} changed={row['changed']} "
+                f"unchanged={row['unchanged']} release={release} service={service}")
         if row["reason"]:
             line += f"  reason: {row['reason']}"
         lines.append(line)

@@ -100,3 +100,8 @@ def python_script_command(python: str, name: str | Path, *args, env: dict | None
 def atomic_write_command(path: str, text: str, mode: str = "644") -> str:
     """The one way to write a file on a host atomically: a temporary file beside it, then rename(2)."""
     return script_command("atomic-write.sh", path, mode, env={"CONTENT": text})
+
+
+def atomic_copy_command(source: str, path: str, mode: str = "644") -> str:
+    """Copy the host's file `source` to `path` atomically, byte for byte (atomic-write.sh)."""
+    return script_command("atomic-write.sh", path, mode, source)

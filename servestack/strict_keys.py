@@ -10,9 +10,14 @@ is left alone, except when it reads as a mistake for one (`unknown_key`, `foreig
   4. it starts with a prefix people use for servestack's (`sglang_`, `server_`, `svc_`, ... for
      `service_`; `toolkit_` for `cuda_`: PREFIX_ALIASES) and, with servestack's
      prefix put in its place, is at most two edits from a servestack key: `sglang_port`.
+  5. it reads as a mistake for one of pyinfra's own keys, which pyinfra ignores without a word
+     (`pyinfra_key_problem`): a connector prefix (`ssh_`, `docker_`) on a key that connector does
+     not read (`ssh_prot`); an authentication argument without its leading underscore (`sudo`,
+     `sudo_user`: pyinfra reads `_sudo`); an underscore key at most two edits (one for a short
+     one) from a global argument (`_sduo`).
 Any other unknown prefix is the user's own (`db_port`, `app_user`, `backup_path` pass), as are
 pyinfra's own keys (its global arguments `_sudo`, `name`, ... and its connectors' `ssh_*`,
-`docker_*`). A key of the user's own that trips rule 2-4 (`cpu_count` is one edit from
+`docker_*`). A key of the user's own that trips rule 2-5 (`cpu_count` is one edit from
 `gpu_count`) is listed in `servestack_user_keys`.
 """
 
@@ -79,6 +84,36 @@ def pyinfra_keys() -> frozenset[str]:
     return frozenset(names)
 
 
+CONNECTOR_PREFIXES = ("ssh_", "docker_")
+# pyinfra's authentication arguments, which host data sets with their leading underscore (`_sudo = True`).
+# Only these are refused bare: `env`, `timeout` or `serial` are as likely a user's own names.
+AUTH_ARGUMENTS = ("sudo", "sudo_user", "sudo_password", "use_sudo_login", "preserve_sudo_env", "su_user",
+                  "su_password", "su_shell", "use_su_login", "preserve_su_env", "doas", "doas_user", "dzdo",
+                  "dzdo_user")
+
+
+def pyinfra_key_problem(name: str) -> str | None:
+    """Rule 5: why a key reads as a mistake for one of pyinfra's own keys, or None."""
+    keys = pyinfra_keys()
+    if name in keys:
+        return None
+    if name.startswith(CONNECTOR_PREFIXES):
+        prefix = name[:name.index("_") + 1]
+        distance, near = _nearest(name, [key for key in keys if key.startswith(prefix)])
+        hint = f": did you mean {' or '.join(repr(key) for key in near)}?" if distance <= MAX_EDITS else ""
+        return (f"'{name}': not a key pyinfra's {prefix[:-1]} connector reads (pyinfra would ignore it){hint} "
+                "(a key of your own: list it in servestack_user_keys)")
+    if name in AUTH_ARGUMENTS and f"_{name}" in keys:
+        return (f"'{name}': pyinfra reads this argument as '_{name}' and would ignore '{name}': did you mean "
+                f"'_{name}'? (a key of your own: list it in servestack_user_keys)")
+    if name.startswith("_") and not name.startswith("__"):
+        distance, near = _nearest(name, [key for key in keys if key.startswith("_")])
+        if distance <= (1 if len(name) <= 5 else MAX_EDITS):
+            return _did_you_mean(name, f"{distance} edit{'s' if distance > 1 else ''} from pyinfra's "
+                                 + " and ".join(f"'{key}'" for key in near), near)
+    return None
+
+
 def _nearest(name: str, known: Iterable[str]) -> tuple[int, list[str]]:
     """The smallest edit distance from `name` to a key of `known` within MAX_EDITS (else more) and
     the keys at that distance."""
@@ -96,10 +131,11 @@ def _did_you_mean(name: str, why: str, keys: list[str]) -> str:
 
 def foreign_key_problem(name: str, known: dict[str, Key] | Iterable[str]) -> str | None:
     """Why a host-data key without a servestack prefix reads as a mistake for a servestack key
-    (strict keys, rules 2-4), or None: the key is the user's (or pyinfra's) own."""
+    (strict keys, rules 2-4) or for one of pyinfra's (rule 5), or None: the key is the user's (or
+    pyinfra's) own."""
     if name in pyinfra_keys():
         return None
-    return _foreign_key_problem(name, tuple(known))
+    return pyinfra_key_problem(name) or _foreign_key_problem(name, tuple(known))
 
 
 @lru_cache(maxsize=4096)  # a fleet's hosts share their keys: each name is judged once per manifest

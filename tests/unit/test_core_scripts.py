@@ -26,7 +26,16 @@ from facts.host import (
     release_lock_command,
     take_lock_command,
 )
-from servestack.scripts import HELPERS, HELPERS_LINE, SCRIPTS, atomic_write_command, script, script_command, script_text
+from servestack.scripts import (
+    HELPERS,
+    HELPERS_LINE,
+    SCRIPTS,
+    atomic_copy_command,
+    atomic_write_command,
+    script,
+    script_command,
+    script_text,
+)
 from tests.unit.flock_holder import flock_held
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -575,3 +584,29 @@ def test_the_lock_commands_and_fact_are_the_script(tmp_path):
     assert found.present and found.alive and found.run_id == "run-A"
     assert sh(release_lock_command(state_dir, "run-A")).stdout == "released\n"
     assert HostLock.default() == LockState()
+
+
+def test_atomic_write_copies_a_file_byte_for_byte_by_rename(tmp_path):
+    """With SOURCE (the known-good unit kept the first time servestack replaces a unit): an exact copy,
+    the mode given, the directory made, the old file replaced by rename, nothing left beside it."""
+    source, target = tmp_path / "unit.service", tmp_path / "state" / "good.service"
+    source.write_bytes(b"[Service]\nExecStart=/x\n\n")                  # no final-newline rewriting
+    target.parent.mkdir()
+    target.write_text("old\n")
+    reader = tmp_path / "reader"
+    os.link(target, reader)
+    assert bash("atomic-write.sh", str(target), "640", str(source)).returncode == 0
+    assert target.read_bytes() == source.read_bytes() and mode_of(target) == 0o640
+    assert reader.read_text() == "old\n" and sorted(p.name for p in target.parent.iterdir()) == ["good.service"]
+
+
+def test_atomic_copy_of_a_missing_file_leaves_the_target_untouched(tmp_path):
+    target = tmp_path / "good.service"
+    target.write_text("old\n")
+    assert bash("atomic-write.sh", str(target), "644", str(tmp_path / "absent")).returncode != 0
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["good.service"]
+
+
+def test_atomic_copy_command_runs_atomic_write_with_the_source():
+    assert shlex.split(atomic_copy_command("/etc/a", "/var/b", "600")) == [
+        "bash", "-c", script_text("atomic-write.sh"), "atomic-write.sh", "/var/b", "600", "/etc/a"]

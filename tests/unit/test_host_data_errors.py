@@ -11,6 +11,7 @@ import pytest
 
 from servestack import cli
 from servestack.errors import ConfigError, ManifestError
+from servestack.fleet import load_inventory
 from servestack.keys import host_keys
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.preconnect import validate_targets
@@ -145,6 +146,53 @@ def test_a_key_of_the_users_own_that_looks_like_a_typo_is_declared_in_servestack
             in refusal({"cuda_x": 1, "servestack_user_keys": ["cuda_x"]}))
 
 
+@pytest.mark.parametrize(("key", "line"), [
+    ("ssh_prot", "'ssh_prot': not a key pyinfra's ssh connector reads (pyinfra would ignore it): did you mean "
+                 "'ssh_port'?"),
+    ("ssh_usr", "did you mean 'ssh_user'?"),
+    ("ssh_strict_hostkey_checking", "did you mean 'ssh_strict_host_key_checking'?"),
+    ("docker_identifer", "not a key pyinfra's docker connector reads (pyinfra would ignore it): did you mean "
+                         "'docker_identifier'?"),
+    ("sudo", "'sudo': pyinfra reads this argument as '_sudo' and would ignore 'sudo': did you mean '_sudo'?"),
+    ("sudo_user", "did you mean '_sudo_user'?"),
+    ("use_sudo_login", "did you mean '_use_sudo_login'?"),
+    ("_sduo", "'_sduo': unknown key, 1 edit from pyinfra's '_sudo': did you mean '_sudo'?"),
+    ("_sudo_usr", "did you mean '_sudo_user'?"),
+])
+def test_a_near_miss_of_pyinfras_own_keys_is_refused_not_ignored(key, line):
+    """pyinfra ignores a key it does not read: `ssh_prot = 2222` connected to port 22, `sudo = True` ran
+    without sudo, and nothing said so."""
+    message = refusal({key: 1})
+    assert len(message.splitlines()) == 1 and message.startswith(f"host h1: '{key}': ")
+    assert line in message and message.endswith(USER_HINT)
+
+
+@pytest.mark.parametrize("key", ["timeout", "serial", "parallel", "stdin", "_my_helper", "__mirror"])
+def test_names_pyinfra_shares_with_the_users_own_pass(key):
+    assert foreign_key_problem(key, KNOWN) is None
+
+
+def test_a_near_miss_of_pyinfras_key_that_is_the_users_own_is_declared_in_servestack_user_keys():
+    assert "did you mean 'ssh_user'?" in refusal({"ssh_usr": "x"})
+    assert settings_from_data("h1", {"ssh_usr": "x", "servestack_user_keys": ["ssh_usr"]}).service_port == 30000
+
+
+def test_a_group_data_helper_variable_kept_as_the_readme_says_is_not_host_data(tmp_path):
+    """README 'Host data': a helper variable named with two underscores, or a file with `__all__`."""
+    (tmp_path / "group_data").mkdir()
+    (tmp_path / "group_data" / "all.py").write_text(
+        '__mirror = "http://mirror.internal"\ncuda_mirror = __mirror + "/cuda"\n')
+    (tmp_path / "group_data" / "gpus.py").write_text(
+        '__all__ = ["service_port"]\nbase = 30000\nservice_port = base + 1\n')
+    (tmp_path / "inventory.py").write_text('gpus = ["h1"]\n')
+    inventory = load_inventory(str(tmp_path / "inventory.py"))
+    data = inventory.get_host("h1").data.dict()
+    assert data["cuda_mirror"] == "http://mirror.internal/cuda" and data["service_port"] == 30001
+    assert "__mirror" not in data and "base" not in data
+    settings = settings_from_data("h1", data)
+    assert settings.cuda_mirror == "http://mirror.internal/cuda" and settings.service_port == 30001
+
+
 # -- every problem at once (issue 16) ---------------------------------------------------------------
 
 def test_three_bad_values_are_three_lines_naming_host_key_and_expectation():
@@ -230,6 +278,27 @@ def test_the_pyinfra_cli_shows_a_refusal_as_its_own_error_not_as_a_line_of_serve
     assert "--> pyinfra error: refusing to run (nothing was changed on any host):" in output
     assert "host sr: 'service_user': expected a dedicated unprivileged user, got 'root'" in output
     assert "preconnect.py" not in output and "Connecting to hosts" not in output
+
+
+@pytest.mark.parametrize("deploy_file", ["deploy.py", "rollback.py"])
+def test_run_from_another_directory_the_deploy_still_checks_the_inventory_before_touching_a_host(tmp_path,
+                                                                                                  deploy_file):
+    """pyinfra reads config.py from the current directory only: run from elsewhere, the checks ran nowhere
+    and a bad inventory went on to the host. The @local host connects without touching anything; the
+    deploy file then refuses the run before reading or changing it, and says how to check before connecting."""
+    inventory = tmp_path / "fleet.py"
+    inventory.write_text('hosts = [("@local", {"servestack_allow_local": True, "service_user": "root", '
+                         '"service_prot": 30000})]\n')
+    pyinfra = Path(sys.executable).parent / "pyinfra"
+    run = subprocess.run([str(pyinfra), "fleet.py", str(ROOT / deploy_file), "--dry"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1, output
+    assert "pyinfra did not load servestack's config.py (it reads config.py from the current directory only)" \
+        in output and f"pass --config {ROOT / 'config.py'}" in output
+    assert "--> pyinfra error: refusing to run (nothing was changed on any host):" in output
+    assert "host @local: 'service_user': expected a dedicated unprivileged user, got 'root'" in output
+    assert "'service_prot'" in output and "Traceback" not in output and "unexpected exception" not in output
 
 
 def test_a_limit_that_matches_no_host_is_refused_not_a_success(tmp_path):

@@ -38,7 +38,8 @@ LAYERS = {
         "operations.speculation", "operations.toolkit", "operations.venv", "operations.verify"),
     # L3 entry points: what pyinfra and the CLI run
     3: ("deploy", "rollback", "config", "inventory", "servestack.cli", "servestack.doctor", "servestack.status",
-        "servestack.verify", "servestack.bench", "servestack.backups", "servestack.preconnect", "servestack.fleet"),
+        "servestack.verify", "servestack.bench", "servestack.backups", "servestack.preconnect", "servestack.fleet",
+        "servestack.run_checks"),
 }
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
 MAY_IMPORT_IN_FUNCTIONS = {"servestack.cli"}   # the entry point imports its subcommand's module when it runs

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pyinfra import host
@@ -17,6 +20,8 @@ from pyinfra.api.operations import run_ops
 
 from servestack import hostrun, runreport
 from tests.unit.fake_host import fake_state
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_long_step_says_what_the_next_run_does_and_others_get_the_general_answer():
@@ -95,3 +100,44 @@ def test_the_recap_gives_each_failed_hosts_reason_as_hostrun_kept_it():
     assert [(row["host"], row["status"], row["reason"]) for row in runreport.recap(report)] == [
         ("@fake/gpu1", "failed", "toolkit check failed: nvcc reports 12.4"),
         ("@fake/gpu2", "failed", "'Step' failed: servestack: /etc/systemd/system is read-only")]
+
+
+def _closed_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_run_where_no_host_connects_still_ends_with_the_recap_naming_each_host(tmp_path, as_json):
+    """The real pyinfra CLI: pyinfra stops with "No hosts remaining!" when no host connects, and the run
+    ended with no recap and no JSON object. Each host's line says it was unreachable, and why."""
+    port = _closed_loopback_port()
+    inventory = tmp_path / "fleet.py"
+    inventory.write_text(f'hosts = [(name, {{"ssh_hostname": "127.0.0.1", "ssh_port": {port}, '
+                         f'"servestack_allow_local": True}}) for name in ("gpu-a", "gpu-b")]\n')
+    run = subprocess.run([str(Path(sys.executable).parent / "pyinfra"), str(inventory), "deploy.py", "-y",
+                          *(["--json"] if as_json else [])], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1, output
+    if as_json:
+        rows = json.loads(run.stderr.strip().splitlines()[-1])["servestack_recap"]
+        assert [(row["host"], row["status"], row["changed"]) for row in rows] == [("gpu-a", "unreachable", 0),
+                                                                                  ("gpu-b", "unreachable", 0)]
+        assert all(row["reason"].startswith("cannot connect: ") and str(port) in row["reason"] for row in rows)
+    else:
+        recap = output[output.index("SERVESTACK RECAP"):].splitlines()
+        for name, line in zip(("gpu-a", "gpu-b"), recap[1:3]):
+            assert line.startswith(f"{name}  unreachable changed=0 unchanged=0 release=- service=not restarted"
+                                   "  reason: cannot connect: "), output
+
+
+def test_a_recap_line_of_an_unreachable_host_keeps_the_columns():
+    rows = [{"host": "gpu-1", "status": "changed", "changed": 6, "unchanged": 8, "release": "r-0123",
+             "service_restarted": True, "reason": None},
+            {"host": "gpu-2", "status": "unreachable", "changed": 0, "unchanged": 0, "release": None,
+             "service_restarted": False, "reason": "cannot connect: timed out"}]
+    assert runreport.recap_lines(rows)[1:] == [
+        "gpu-1  changed     changed=6 unchanged=8 release=r-0123 service=restarted",
+        "gpu-2  unreachable changed=0 unchanged=0 release=- service=not restarted  reason: cannot connect: timed out"]

@@ -396,10 +396,10 @@ def test_rollout_failures_count_completed_gate_failures_only():
     assert service.rollout_failures(state, "op") == ["h1", "h5"]  # h3: its gate is still running
 
 
-def fleet(names: list[str], responses: dict, config: Config | None = None) -> State:
-    """A connected State of @fake hosts answering `responses` (and nothing else)."""
+def fleet(names: list[str], responses: dict, config: Config | None = None, **data) -> State:
+    """A connected State of @fake hosts answering `responses` (and nothing else), with host data `data`."""
     inventory = Inventory(([f"@fake/{name}" for name in names],
-                           {"fake_delay": 0, "fake_delay_jitter": 0, "fake_responses": responses}))
+                           {"fake_delay": 0, "fake_delay_jitter": 0, "fake_responses": responses, **data}))
     state = State(inventory, config or Config())
     state.print_noop_info = True
     connect_all(state)
@@ -413,9 +413,9 @@ def gated(state: State) -> list[str]:
 
 @pytest.mark.parametrize("budget, gates", [(0, 1), (1, 2), (2, 3)])
 def test_the_rollout_stops_once_more_hosts_failed_their_gate_than_the_budget(budget, gates, caplog):
-    state = fleet(["h1", "h2", "h3"], {service.GATE_SCRIPT: {"success": False, "stderr": "unhealthy"}})
-    s = settings(rollout_failure_budget=budget)
-    add_op(state, service.restart, settings=s, release=service.release(s, RELEASE_ID), _parallel=1)
+    state = fleet(["h1", "h2", "h3"], {service.GATE_SCRIPT: {"success": False, "stderr": "unhealthy"}},
+                  rollout_failure_budget=budget)
+    add_op(state, service.restart, release=service.release(settings(), RELEASE_ID), _parallel=1)
     with pytest.raises(PyinfraError, match="No hosts remaining"):
         run_ops(state)
     assert len(gated(state)) == gates, caplog.text
@@ -428,9 +428,8 @@ def test_the_rollout_stops_once_more_hosts_failed_their_gate_than_the_budget(bud
 
 
 def test_healthy_hosts_restart_batch_after_batch():
-    state = fleet(["h1", "h2", "h3"], {})
-    s = settings(rollout_failure_budget=0)
-    add_op(state, service.restart, settings=s, release=service.release(s, RELEASE_ID), _parallel=1)
+    state = fleet(["h1", "h2", "h3"], {}, rollout_failure_budget=0)
+    add_op(state, service.restart, release=service.release(settings(), RELEASE_ID), _parallel=1)
     run_ops(state)
     assert sorted(gated(state)) == ["@fake/h1", "@fake/h2", "@fake/h3"] and not state.failed_hosts
 

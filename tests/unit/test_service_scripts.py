@@ -21,9 +21,9 @@ import pytest
 
 from facts.service import parse_record
 from operations import service
-from servestack.paths import secrets_staging_path, service_record_path
+from servestack.paths import good_unit_path, secrets_staging_path, service_record_path, unit_path
 from servestack.releases import TOOL
-from servestack.scripts import SCRIPTS, atomic_write_command, script_command, script_text
+from servestack.scripts import SCRIPTS, atomic_copy_command, atomic_write_command, script_command, script_text
 from servestack.settings import settings_from_data
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the scripts set root ownership")
@@ -110,7 +110,7 @@ def test_the_baseline_record_names_the_release_the_found_unit_ran(tmp_path):
     s = settings(servestack_state_dir=str(tmp_path / "state"))
     found = ["ExecStart=/opt/servestack/releases/r-aaaaaaaaaaaa/venv/bin/python -m sglang.launch_server"]
     keep_unit, write_record = service._baseline_commands(s, found, None)
-    assert keep_unit.get_raw_value().split()[:4] == ["install", "-D", "-m", "644"]
+    assert keep_unit.get_raw_value() == atomic_copy_command(unit_path(s), good_unit_path(s), "644")   # atomic
     bash(write_record.get_raw_value())
     record = parse_record(Path(service_record_path(s)).read_text().splitlines())
     assert record["fingerprint"] is None and record["release"] == "r-aaaaaaaaaaaa"
