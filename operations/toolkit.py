@@ -518,13 +518,37 @@ def _record_lines(state: ToolkitState, fingerprints: dict, more: dict, target: s
     return lines
 
 
-def _link_steps(settings: Settings, chain: LinkChain, steps: _Steps) -> None:
+def _link_steps(settings: Settings, state: ToolkitState, installs: bool, steps: _Steps) -> None:
+    chain = state.link
     line, change = link_line(settings, chain)
-    if change:
+    recorded = kept_link_to_restore(settings, state) if not installs else None
+    if recorded is not None:
+        steps.lines.append(restore_line(chain, recorded))
+        steps.commands.append(restore_link_command(recorded))
+    elif change:
         steps.lines.append(line)
         steps.commands.append(point_link_command(chain.path, settings.cuda_install_path))
     else:
         noop(host, line)
+
+
+def kept_link_to_restore(settings: Settings, state: ToolkitState) -> LinkChain | None:
+    """Under cuda_link_policy = 'keep', the link chain toolkits.json recorded before the install when
+    the host's link no longer resolves where it did (removed or re-pointed by hand since): what
+    the verify step's `cuda_link` compares with, so the converge puts it back. None otherwise."""
+    record = state.record or {}
+    if settings.cuda_link_policy != "keep" or not isinstance(record.get("link"), dict):
+        return None
+    recorded, now = LinkChain.from_record(record["link"]), state.link
+    if recorded.resolved == now.resolved:
+        return None
+    restorable = recorded.hops or (recorded.kind == "absent" and now.hops)   # links only: never a directory
+    return recorded if restorable else None
+
+
+def restore_line(now: LinkChain, recorded: LinkChain) -> str:
+    return (f"restore {recorded.describe()} as toolkits.json recorded it before the install (now "
+            f"{now.describe()}; cuda_link_policy = 'keep')")
 
 
 def _finish_steps(settings: Settings, state: ToolkitState, steps: _Steps) -> None:
@@ -594,7 +618,7 @@ def runfile_toolkit():
     else:
         noop(host, f"{verdict.detail}: the runfile is not needed")
         _finish_steps(settings, state, steps)
-    _link_steps(settings, state.link, steps)
+    _link_steps(settings, state, verdict.install_needed, steps)
     for line in steps.lines:
         plan(host, line)
     yield from steps.commands

@@ -334,6 +334,23 @@ def test_dry_run_of_a_converged_host(fresh):
     assert "/usr/local/cuda stays -> cuda-12.8" in lines
 
 
+def test_a_hand_removed_link_is_put_back_as_recorded(tk, fresh):
+    """Issue 32 §5: with cuda_link_policy = "keep", a /usr/local/cuda removed by hand after the install
+    was reported as "stays absent" while verify failed against toolkits.json's record, on every run.
+    The dry run names the repair, the converge makes it, and the next converge changes nothing."""
+    host = fresh["host"]
+    tk.sh(host, "rm /usr/local/cuda")
+    dry = tk.pyinfra(DEPLOY, limit=["h1"], dry=True)
+    assert dry.returncode == 0, dry.output[-4000:]
+    assert ("restore /usr/local/cuda -> cuda-12.8 as toolkits.json recorded it before the install (now "
+            "/usr/local/cuda (absent); cuda_link_policy = 'keep')") in "\n".join(dry.host_lines("h1"))
+    assert not tk.exists(host, "/usr/local/cuda")
+    repair, again = tk.pyinfra(DEPLOY, limit=["h1"]), tk.pyinfra(DEPLOY, limit=["h1"])
+    assert repair.returncode == 0, repair.output[-4000:]
+    assert tk.link(host) == "cuda-12.8"
+    assert again.returncode == 0 and again.results["totals"]["success"] == 0, again.results
+
+
 # --- h2..h10: faults, in one run -------------------------------------------------------------
 
 def wait_for_line(process: subprocess.Popen, wanted: str, timeout: float = 120) -> None:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pyinfra.api import Config, State
@@ -41,15 +42,19 @@ from operations.toolkit import (
     host_reads,
     human_bytes,
     install_command,
+    kept_link_to_restore,
     link_line,
     new_record,
     paths_to_complete,
     paths_to_record,
     plan_runfile,
     record_target,
+    restore_line,
     cuda_toolkit,
 )
 from sandbox.standins.toolkit import write_toolkit_tree
+from servestack.checks.outcome import Fail
+from servestack.checks.toolkit import cuda_link
 from servestack.manifest import Runfile
 from servestack.paths import kept_paths, runfile_source
 from servestack.settings import settings_from_data
@@ -490,3 +495,38 @@ def test_a_rejected_cached_runfile_replaces_the_older_rejected_copy_and_says_so(
     rejected = list(cache.glob("*.rejected-*"))
     assert len(rejected) == 1 and rejected[0].name.startswith(f"{name}.rejected-")
     assert (cache / name).read_bytes() == good
+
+
+# --- a link changed by hand after the install (issue 32 §5) -----------------------------------------
+
+CUDA_LINK = LinkChain("/usr/local/cuda", (("/usr/local/cuda", "cuda-12.8"),), "/usr/local/cuda-12.8", "link")
+ABSENT = LinkChain("/usr/local/cuda")
+TO_13 = LinkChain("/usr/local/cuda", (("/usr/local/cuda", "/usr/local/cuda-13.0"),), "/usr/local/cuda-13.0", "link")
+
+
+def _verify_fails(s, record_link: LinkChain, now: LinkChain) -> bool:
+    readings = SimpleNamespace(link=lambda _settings: now, toolkits_record={"link": record_link.to_record()},
+                               on="on h1", host=SimpleNamespace(toolkit_path=None))
+    try:
+        cuda_link(s, readings)
+    except Fail:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("recorded", "now"), [(CUDA_LINK, ABSENT), (CUDA_LINK, TO_13), (CUDA_LINK, CUDA_LINK),
+                                               (ABSENT, TO_13), (ABSENT, ABSENT)])
+def test_the_toolkit_step_repairs_the_link_exactly_when_verify_fails_it(recorded, now):
+    s = settings()
+    restore = kept_link_to_restore(s, state(record={"link": recorded.to_record()}, link=now))
+    assert (restore is not None) == _verify_fails(s, recorded, now)
+    assert restore in (None, recorded)
+
+
+def test_the_repair_is_planned_only_under_keep_with_a_record():
+    assert kept_link_to_restore(settings(cuda_link_policy="new"),
+                                state(record={"link": CUDA_LINK.to_record()}, link=ABSENT)) is None
+    assert kept_link_to_restore(settings(), state(record=None, link=ABSENT)) is None
+    assert restore_line(ABSENT, CUDA_LINK) == ("restore /usr/local/cuda -> cuda-12.8 as toolkits.json recorded it "
+                                               "before the install (now /usr/local/cuda (absent); "
+                                               "cuda_link_policy = 'keep')")
