@@ -264,11 +264,30 @@ def while_busy(host, state_dir: str, step: str, command) -> FunctionCommand:
                                                                  "bash", "-c", text)), {})
 
 
+# What a long step killed on the host leaves, and what the next run does about it (busy.sh says "killed").
+KILLED_STEPS = {
+    "cuda runfile download": "the partial download stays beside the cache; the next run resumes it",
+    "install": "the install is left marked unfinished (toolkit-install.json); the next run moves the tree "
+               "aside and installs again",
+    "venv build": "the release is left unchecked, never active; the next run builds it again",
+    "pre-start check": "nothing was switched; the next run checks again",
+    "health-gated": "the unit it was starting may be loaded without a verified healthy start; the next run "
+                    "finds no healthy start recorded for it and starts it through the gate again",
+}
+
+
+def after_killed(step: str) -> str:
+    return next((what for words, what in KILLED_STEPS.items() if words in step), "the next run converges again")
+
+
 def _run_long_step(state, host, step: str, command: str) -> bool:
     arguments = connector_arguments(host)
     ok, output = host.run_shell_command(StringCommand(command), print_output=True, **arguments)
     if not ok:
-        return fail_host(host, FAILED, [f"{step} failed: {said_in(output.stderr_lines)}"], shown=False)
+        said = said_in(output.stderr_lines)
+        killed = said.startswith(f"servestack: {step} was killed on the host")   # its output said nothing more
+        return fail_host(host, FAILED, [f"{step} failed: {said}" + (f": {after_killed(step)}" if killed else "")],
+                         shown=killed)
     return ok
 
 

@@ -8,8 +8,9 @@
 # removed when COMMAND ends; one left behind names the step an interrupted run was in.
 # COMMAND runs with SIGHUP and SIGPIPE ignored: when the run's connection goes (its controller was
 # killed), the step finishes on the host instead of dying half-way at its next line of output.
-# Exit: COMMAND's exit status; 75 printing `busy <activity json>` on stderr when another process
-# holds lock.busy; 1 when flock is missing.
+# Exit: COMMAND's exit status (killed by a signal, 129-159: first saying so on stderr,
+# "servestack: STEP was killed on the host by signal N", since a killed process says nothing); 75
+# printing `busy <activity json>` on stderr when another process holds lock.busy; 1 when flock is missing.
 state=${1%/}; run=$2; step=$3; shift 3
 trap '' HUP PIPE   # from the start: the run's connection may go any time now
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
@@ -27,4 +28,7 @@ write_atomically "$state/lock.activity" "$activity"
 "$@"
 status=$?
 rm -f "$state/lock.activity"
+if [ "$status" -gt 128 ] && [ "$status" -lt 160 ]; then
+    message "$step was killed on the host by signal $((status - 128)) before it finished"
+fi
 exit $status

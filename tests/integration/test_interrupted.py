@@ -171,6 +171,37 @@ def test_ctrl_c_during_the_health_gated_restart_ends_non_zero_and_the_gate_finis
     assert apply(the_lab, "deploy.py", *held).totals["success"] == 0
 
 
+def test_a_health_gate_killed_on_the_host_names_the_gate_and_what_it_left_and_the_next_run_converges(lab):
+    """Issue 32 §3: the gate killed on the host while its controller is still connected was reported as
+    "no error output". The failure names the step, the kill and what the next run does; the next run does it."""
+    the_lab = lab(1)
+    host = the_lab.hosts[0]
+    apply(the_lab)
+    env = json.dumps({"PYTHONPATH": STANDIN_SERVER_DIR, "FAKE_SGLANG_HOLD_FILE": SERVER_HOLD})
+    held = ["--data", f"service_env={env}", "--data", "service_health_timeout_s=600"]
+    hold(the_lab, host, SERVER_HOLD)
+    run = start(the_lab, *held)
+    gating = wait_for_step(the_lab, host, "health-gated restart")
+    run.wait_for(r"^\s*\[h1\] servestack: waiting for sglang.service to become ready \(\d+ s of 600 s\)$")
+    the_lab.exec(host, f"pkill -KILL -P {gating['pid']}", check=True)   # the gate: busy.sh's child
+    run.process.wait(timeout=120)
+    run.reader.join(timeout=60)
+    output = run.output()
+    assert run.returncode != 0, output[-4000:]
+    said = ("health-gated restart of sglang.service failed: servestack: health-gated restart of sglang.service was "
+            "killed on the host by signal 9 before it finished: the unit it was starting may be loaded without a "
+            "verified healthy start; the next run finds no healthy start recorded for it and starts it through "
+            "the gate again")
+    assert said in output and "no error output" not in output, output[-4000:]
+    assert re.search(r"^h1 +failed +changed=\d+ .*reason: " + re.escape(said), output, re.M), output[-4000:]
+    release(the_lab, host, SERVER_HOLD)
+    final = apply(the_lab, "deploy.py", *held)
+    assert final.totals["error"] == 0, final.output[-4000:]
+    assert "will restart sglang.service" in final.output or "restarting sglang.service" in final.output
+    assert the_lab.exec(host, "systemctl is-active sglang.service").stdout.strip() == "active"
+    assert apply(the_lab, "deploy.py", *held).totals["success"] == 0
+
+
 def test_the_recap_names_each_host_changed_unchanged_and_refused(lab):
     the_lab = lab(2)
     first = run_pyinfra(the_lab, "-y")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
 
 import pytest
 from pyinfra import host
@@ -17,6 +18,7 @@ from pyinfra.connectors.fake import FakeConnector
 from pyinfra.context import ctx_host
 
 from servestack import hostrun
+from servestack.scripts import script_command
 
 
 def two_hosts(responses: dict | None = None, config: Config | None = None, **options):
@@ -126,6 +128,46 @@ def test_a_command_pyinfra_runs_that_fails_the_host_leaves_its_stderr_as_the_rea
     run_ops(state)
     assert hostrun.reasons(state) == {"@fake/gpu1": [hostrun.Reason(
         "failed", "'Broken step' failed: servestack: no space left")]}
+
+
+@operation()
+def long_step(step: str):
+    yield hostrun.while_busy(host, "/var/lib/servestack", step, "the-gate --go")
+
+
+def test_a_long_step_killed_on_the_host_names_the_step_and_what_it_left(logs):
+    """Issue 32 §3: a health gate killed on the host (its controller still connected) said "no error output"."""
+    step = "health-gated restart of sglang.service"
+    killed = f"servestack: {step} was killed on the host by signal 9 before it finished"
+    state, gpu1, _ = two_hosts({"the-gate --go": {"success": False, "stderr": [killed]}})
+    add_op(state, long_step, step=step, host=gpu1)
+    run_ops(state)
+    reason = hostrun.reasons(state)["@fake/gpu1"][0].text
+    assert reason == (f"{step} failed: {killed}: the unit it was starting may be loaded without a verified healthy "
+                      "start; the next run finds no healthy start recorded for it and starts it through the gate again")
+    assert sum(reason in record.getMessage() for record in logs.records if record.levelno == logging.ERROR) == 1
+
+
+@pytest.mark.parametrize(("step", "words"), [
+    ("cuda runfile download", "resumes it"), ("cuda 13.0.1 install", "moves the tree aside"),
+    ("venv build r-0123456789ab", "builds it again"), ("SGLang pre-start check of r-0123456789ab", "checks again"),
+    ("health-gated start of the baseline configuration of sglang.service", "through the gate again"),
+])
+def test_each_long_step_says_what_a_kill_leaves(step, words):
+    assert words in hostrun.after_killed(step)
+
+
+def test_busy_sh_says_the_step_was_killed_when_its_command_dies_of_a_signal(tmp_path):
+    killed = subprocess.run(["bash", "-c", script_command("busy.sh", str(tmp_path), "run-1", "venv build r-1",
+                                                          "bash", "-c", "kill -9 $$")],
+                            capture_output=True, text=True)
+    assert killed.returncode == 137
+    assert hostrun.said_in(killed.stderr.splitlines()) == \
+        "servestack: venv build r-1 was killed on the host by signal 9 before it finished"   # after bash's "Killed"
+    failed = subprocess.run(["bash", "-c", script_command("busy.sh", str(tmp_path), "run-1", "venv build r-1",
+                                                          "bash", "-c", "echo 'servestack: no space' >&2; exit 3")],
+                            capture_output=True, text=True)
+    assert failed.returncode == 3 and failed.stderr == "servestack: no space\n"
 
 
 def test_what_a_failed_command_said_is_servestacks_first_line_or_its_last():
