@@ -74,6 +74,12 @@ def _from_profile(field: str) -> Callable[[Manifest], Any]:
     return lambda manifest: profile_default(manifest, manifest.service["profile"], field)
 
 
+# Upper bounds on timeouts and counts: a value past them is a slip (an extra zero, milliseconds for seconds),
+# refused before connecting instead of a gate that waits for days or a prune that never prunes.
+HOUR_S = 3600
+DAY_S = 24 * HOUR_S   # a model load that takes longer is stuck
+MAX_HOSTS = 1000      # rollout_batch and rollout_failure_budget: hosts of one run
+
 SERVICE_KEYS = {  # name: (checker, meaning); defaults are the manifest's [service] table
     "name": (unit_name, "systemd unit name"),
     "user": (user_name, "unprivileged system user the server runs as (created by the deploy)"),
@@ -83,8 +89,9 @@ SERVICE_KEYS = {  # name: (checker, meaning); defaults are the manifest's [servi
     "tp": (integer(1, 64), "--tp: tensor-parallel size; must divide gpu_count"),
     "host": (host_address, "--host the server listens on"),
     "port": (integer(1, 65535), "--port"),
-    "start_timeout_s": (integer(1), "systemd TimeoutStartSec"),
-    "health_timeout_s": (integer(1), "seconds a restarted server has to answer /health before it is rolled back"),
+    "start_timeout_s": (integer(1, DAY_S), "systemd TimeoutStartSec"),
+    "health_timeout_s": (integer(1, DAY_S),
+                         "seconds a restarted server has to answer /health before it is rolled back"),
     "start_limit_burst": (integer(1, 100), "starts of the unit (systemd's automatic restarts) within "
                           "burst x (start_timeout_s + RestartSec) seconds before systemd gives up on a crashing "
                           "server (StartLimitBurst; servestack's own restarts reset the count)"),
@@ -129,14 +136,14 @@ BENCHMARK_KEYS = {
     "runs": integer(1, 1000),
     "warmup": integer(0, 100),
     "concurrency": levels,
-    "request_timeout_s": integer(1),
+    "request_timeout_s": integer(1, HOUR_S),
 }
 VENV_KEYS = {  # defaults are the manifest's [venv] table
     "path": (abs_path, "the stable path of the active environment (a symlink to the active release)"),
     "releases_dir": (abs_path, "where releases (one venv each) are built"),
     "python": (text, "the host's interpreter new venvs are made with"),
-    "keep_releases": (integer(1), "releases kept (the active and the previous one are never pruned)"),
-    "keep_backups": (integer(1), "environment snapshots kept under servestack_state_dir/backups"),
+    "keep_releases": (integer(1, 100), "releases kept (the active and the previous one are never pruned)"),
+    "keep_backups": (integer(1, 1000), "environment snapshots kept under servestack_state_dir/backups"),
 }
 
 
@@ -187,8 +194,8 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
             "uv's cache on the host (default: 'uv-cache' beside venv_releases_dir, for hard links)"),
         Key("venv_rollback_to", optional(release_name), _literal(None),
             "release id rollback.py activates (default: the release active before the last deploy)"),
-        Key("rollout_batch", integer(1), _literal(1), "hosts restarted at a time"),
-        Key("rollout_failure_budget", integer(0), _literal(0), "failed hosts tolerated before stopping"),
+        Key("rollout_batch", integer(1, MAX_HOSTS), _literal(1), "hosts restarted at a time"),
+        Key("rollout_failure_budget", integer(0, MAX_HOSTS), _literal(0), "failed hosts tolerated before stopping"),
         Key("service_cache_dir", abs_path, _literal("/var/cache/servestack/flashinfer"),
             "JIT caches of the service (flashinfer, triton, ...): one '<cuda_version>-<release>' dir each"),
         Key("service_secret_env", env_names, _literal(()),

@@ -62,6 +62,11 @@ class Stack:
     packages: tuple[Package, ...]
     torch_cuda: str
     exclude_newer: str
+    # the choices its sglang's argument parser allows, per servestack key (`service_<key>`): SERVER_CHOICES
+    server_choices: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def choices(self, key: str) -> tuple[str, ...]:
+        return dict(self.server_choices)[key]
 
     def package(self, name: str) -> Package:
         for package in self.packages:
@@ -237,8 +242,27 @@ def _packages(reader: _Reader, indexes: dict[str, str]) -> tuple[Package, ...]:
 _INSTANT = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 
+# sglang flags whose values its argument parser limits to a list (`choices=`): the stack's [server_choices]
+# copies each list from its sglang's srt/server_args.py (tests/unit/test_real_stack.py reads the real wheel).
+SERVER_CHOICES = {"quantization": "--quantization", "kv_cache_dtype": "--kv-cache-dtype",
+                  "attention_backend": "--attention-backend"}
+
+
+def _server_choices(reader: _Reader) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    table = reader.sub("server_choices")
+    table.only(set(SERVER_CHOICES))
+    expected = "a non-empty list of the values its sglang's argument parser accepts"
+    choices = []
+    for key in SERVER_CHOICES:
+        values = table.get(key, list, expected)
+        if not values or not all(isinstance(value, str) for value in values):
+            raise table.fail(key, expected, values)
+        choices.append((key, tuple(values)))
+    return tuple(choices)
+
+
 def _stack(reader: _Reader, name: str, indexes: dict[str, str]) -> Stack:
-    reader.only({"torch_cuda", "exclude_newer", "packages"})
+    reader.only({"torch_cuda", "exclude_newer", "packages", "server_choices"})
     packages = _packages(reader, indexes)
     torch_cuda = reader.get("torch_cuda", str, "the CUDA version torch.version.cuda reports, like '13.0'")
     if not re.fullmatch(r"\d+\.\d+", torch_cuda):
@@ -254,7 +278,8 @@ def _stack(reader: _Reader, name: str, indexes: dict[str, str]) -> Stack:
     if label is not None and label != "cu" + torch_cuda.replace(".", ""):
         raise reader.fail("packages", f"torch's local label to name the stack's torch_cuda {torch_cuda} "
                           f"(+cu{torch_cuda.replace('.', '')}) or no label", torch.version)
-    return Stack(name=name, packages=packages, torch_cuda=torch_cuda, exclude_newer=exclude_newer)
+    return Stack(name=name, packages=packages, torch_cuda=torch_cuda, exclude_newer=exclude_newer,
+                 server_choices=_server_choices(reader))
 
 
 def _stacks(reader: _Reader, indexes: dict[str, str]) -> dict[str, Stack]:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from servestack.errors import ConfigError, ManifestError
 from servestack.keys import (OWN_PREFIXES, PROFILE_KEYS, PROFILE_MERGES, Key, host_keys, index_key, profile_default,
                              unknown_profile, user_key_names, wheel_key)
-from servestack.manifest import DEFAULT_MANIFEST, Manifest, Package, Runfile, Stack, load_manifest
+from servestack.manifest import SERVER_CHOICES, DEFAULT_MANIFEST, Manifest, Package, Runfile, Stack, load_manifest
 from servestack.profiles import profile_rules
 from servestack.strict_keys import foreign_key_problem, unknown_key
 from servestack.values import Invalid, abs_path, env_names
@@ -173,7 +173,20 @@ def _consistency(values: dict, manifest: Manifest, bad: set[str]) -> list[str]:
                                                                        *(f"service_{f}" for f in needed)))]
     if usable("cuda_runfile_url", "cuda_mirror") and values["cuda_runfile_url"] and values["cuda_mirror"]:
         errors.append("'cuda_runfile_url': set either cuda_runfile_url or cuda_mirror, not both")
+    if usable("service_stack") and values["service_stack"] in manifest.stacks:
+        errors += _server_choice_problems(values, manifest.stacks[values["service_stack"]], usable)
     return errors + _service_rules(values, usable)
+
+
+def _server_choice_problems(values: dict, stack: Stack, usable: Callable[..., bool]) -> list[str]:
+    """Values the stack's sglang would refuse at start-up (its argument parser's choices)."""
+    errors = []
+    for key in SERVER_CHOICES:
+        name, value = f"service_{key}", values[f"service_{key}"]
+        if usable(name) and value is not None and value not in stack.choices(key):
+            errors.append(f"'{name}': expected one of {stack.name}'s {SERVER_CHOICES[key]} choices "
+                          f"({', '.join(stack.choices(key))}), got {value!r}")
+    return errors
 
 
 # Environment pinned by servestack: host data may not override these (service_env / secrets).
@@ -233,8 +246,34 @@ def _host_manifest(host_name: str, data: dict) -> tuple[Manifest, dict[str, Key]
 
 def settings_from_data(host_name: str, data: dict) -> Settings:
     """Build one host's settings from its merged host data; raise ConfigError listing every problem
-    (ManifestError when its manifest is unusable)."""
-    manifest, known = _host_manifest(host_name, data)
+    (ManifestError when its manifest is unusable: with the host's other problems, in `others`)."""
+    try:
+        manifest, known = _host_manifest(host_name, data)
+    except ConfigError as error:
+        others = _problems_beside_its_manifest(data)
+        shown = "\n".join([str(error), *(f"host {host_name}: {line}" for line in others)])
+        if isinstance(error, ManifestError):
+            raise ManifestError(shown, error.problem, others) from None
+        raise ConfigError(shown) from None
+    values, errors = _checked_values(data, manifest, known)
+    if errors:
+        raise ConfigError("\n".join(f"host {host_name}: {error}" for error in errors))
+    return Settings.from_values(host_name, manifest, values)
+
+
+def _problems_beside_its_manifest(data: dict) -> list[str]:
+    """A host whose servestack_manifest cannot be used: its other problems, judged against the default
+    manifest, so that the manifest's problem does not hide them (none when that one is unusable too)."""
+    try:
+        manifest = load_manifest(DEFAULT_MANIFEST)
+        known = host_keys(manifest)
+    except ConfigError:
+        return []
+    return _checked_values({**data, "servestack_manifest": str(DEFAULT_MANIFEST)}, manifest, known)[1]
+
+
+def _checked_values(data: dict, manifest: Manifest, known: dict[str, Key]) -> tuple[dict, list[str]]:
+    """Every key's value (None where refused) and every problem of the host's data, against `manifest`."""
     errors: list[str] = []
     try:
         own = set(user_key_names(data.get("servestack_user_keys", ())))
@@ -267,9 +306,7 @@ def settings_from_data(host_name: str, data: dict) -> Settings:
         merge = PROFILE_MERGES.get(key.profile_field) if key.profile_field else None
         values[name] = merge(default, value) if merge else value
     errors += _consistency(values, manifest, bad)
-    if errors:
-        raise ConfigError("\n".join(f"host {host_name}: {error}" for error in errors))
-    return Settings.from_values(host_name, manifest, values)
+    return values, errors
 
 
 def secret_problems(host_name: str, data: dict, environ=None) -> list[str]:
@@ -326,15 +363,18 @@ def check_inventory(hosts) -> tuple[dict[str, Settings], list[tuple[int, str]]]:
     settings: dict[str, Settings] = {}
     problems: list[tuple[int, str]] = []
     manifests: dict[str, tuple[int, list[str]]] = {}
+    beside: list[tuple[int, str]] = []   # the other problems of hosts whose manifest is unusable
     for index, host in enumerate(hosts):
         try:
             settings[host.name] = host_settings(host)
         except ManifestError as error:
             manifests.setdefault(error.problem, (index, []))[1].append(host.name)
+            beside += [(index, f"host {host.name}: {line}") for line in error.others]
         except ConfigError as error:
             problems += [(index, line) for line in str(error).splitlines()]
     for problem, (index, names) in manifests.items():
         problems += [(index, f"{_hosts_label(names)}: {line}") for line in problem.splitlines()]
+    problems += beside   # after its manifest's line (the sort below keeps the order of equal indexes)
     problems.sort(key=lambda item: item[0])
     return settings, problems
 

@@ -12,12 +12,13 @@ import pytest
 from servestack import cli
 from servestack.errors import ConfigError, ManifestError
 from servestack.fleet import load_inventory
-from servestack.keys import host_keys
+from servestack.keys import BENCHMARK_KEYS, host_keys
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.preconnect import validate_targets
 from servestack.settings import settings_from_data, validate_inventory
 from servestack.strict_keys import edit_distance, foreign_key_problem
 from servestack.targets import is_this_machine
+from servestack.values import Invalid
 
 ROOT = Path(__file__).resolve().parents[2]
 KNOWN = host_keys(load_manifest())
@@ -198,7 +199,7 @@ def test_a_group_data_helper_variable_kept_as_the_readme_says_is_not_host_data(t
 def test_three_bad_values_are_three_lines_naming_host_key_and_expectation():
     lines = refusal({"service_tp": 3, "service_port": -5, "rollout_batch": 0}).splitlines()
     assert lines == [
-        "host h1: 'rollout_batch': expected an integer >= 1, got 0",
+        "host h1: 'rollout_batch': expected an integer from 1 to 1000, got 0",
         "host h1: 'service_port': expected an integer from 1 to 65535, got -5",
         "host h1: 'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 3",
     ]
@@ -216,7 +217,7 @@ def test_every_hosts_problems_are_in_one_refusal_before_connecting(monkeypatch):
     lines = str(error.value).splitlines()
     assert lines[0] == "refusing to run (nothing was changed on any host):"
     assert lines[1:] == [
-        "host h1: 'rollout_batch': expected an integer >= 1, got 0",
+        "host h1: 'rollout_batch': expected an integer from 1 to 1000, got 0",
         "host h1: 'service_port': expected an integer from 1 to 65535, got -1",
         "host h1: 'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 3",
         f"host h3: 'tp': unknown key, a servestack key without its prefix 'service_': did you mean 'service_tp'? "
@@ -404,7 +405,7 @@ def test_a_manifest_missing_uv_version_is_named_by_file_and_key_for_every_run(tm
     ("service", "tp", "expected an integer from 1 to 64 (missing)"),
     ('service.profiles."kimi-k2.5-eagle3"', "model_path",
      "expected a non-empty string without whitespace or control characters (missing)"),
-    ("venv", "keep_releases", "expected an integer >= 1 (missing)"),
+    ("venv", "keep_releases", "expected an integer from 1 to 100 (missing)"),
 ])
 def test_a_manifest_missing_a_default_is_named_not_a_key_error(tmp_path, section, key, expected):
     manifest = manifest_without(tmp_path, section, key)
@@ -489,3 +490,78 @@ def test_servestack_sh_names_the_manifest_and_key_when_uv_version_is_missing(tmp
     (tmp_path / "files" / "stack.toml").write_text('[uv]\nversion = "0.13.9"\n')
     fine = subprocess.run(["bash", "-c", function + "uv_version"], cwd=tmp_path, capture_output=True, text=True)
     assert fine.stdout == "0.13.9\n"
+
+
+# -- upper bounds (issue 32 §6) -----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("key", "too_big", "expected"), [
+    ("service_start_timeout_s", 86401, "an integer from 1 to 86400"),
+    ("service_health_timeout_s", 1_800_000, "an integer from 1 to 86400"),   # milliseconds for seconds
+    ("venv_keep_releases", 101, "an integer from 1 to 100"),
+    ("venv_keep_backups", 1001, "an integer from 1 to 1000"),
+    ("rollout_batch", 1001, "an integer from 1 to 1000"),
+    ("rollout_failure_budget", 1001, "an integer from 0 to 1000"),
+])
+def test_every_timeout_and_count_has_an_upper_bound(key, too_big, expected):
+    assert refusal({key: too_big}) == f"host h1: '{key}': expected {expected}, got {too_big}"
+    settings_from_data("h1", {key: int(expected.split()[-1])})
+
+
+def test_the_benchmarks_request_timeout_is_bounded_in_the_manifest():
+    with pytest.raises(Invalid, match="an integer from 1 to 3600"):
+        BENCHMARK_KEYS["request_timeout_s"](3601)
+    assert BENCHMARK_KEYS["request_timeout_s"](3600) == 3600
+
+
+# -- sglang's own choices; a bad manifest hides nothing (issue 32 §6) ------------------------------------
+
+@pytest.mark.parametrize(("key", "value", "flag"), [
+    ("service_quantization", "nvfp4", "--quantization"),
+    ("service_kv_cache_dtype", "fp8", "--kv-cache-dtype"),
+    ("service_attention_backend", "flashinfr", "--attention-backend"),
+])
+def test_a_value_the_pinned_sglang_would_refuse_at_start_is_refused_before_connecting(key, value, flag):
+    """sglang's argument parser refuses these at start-up, inside the health gate's window; the choices are
+    the pinned sglang's own (files/stack.toml [server_choices], tests/unit/test_real_stack.py)."""
+    message = refusal({key: value})
+    assert message.startswith(f"host h1: '{key}': expected one of sglang-0.5.9's {flag} choices (")
+    assert message.endswith(f"), got {value!r}") and len(message.splitlines()) == 1
+
+
+def test_the_choices_are_those_of_the_hosts_own_stack():
+    """modelopt_mixed is sglang 0.5.14's, not 0.5.9's."""
+    assert "sglang-0.5.9's --quantization choices" in refusal({"service_quantization": "modelopt_mixed"})
+    glm = settings_from_data("h1", {"service_profile": "glm-5-mtp", "service_quantization": "modelopt_mixed"})
+    assert glm.stack.name == "sglang-0.5.14" and glm.service_quantization == "modelopt_mixed"
+    assert settings_from_data("h1", {"service_kv_cache_dtype": "fp8_e4m3"}).service_kv_cache_dtype == "fp8_e4m3"
+
+
+def test_a_stack_without_server_choices_is_a_manifest_error(tmp_path):
+    text = DEFAULT_MANIFEST.read_text()
+    start = text.index('[stacks."sglang-0.5.9".server_choices]')
+    broken = tmp_path / "stack.toml"
+    broken.write_text(text[:start] + text[text.index('[[stacks."sglang-0.5.9".packages]]', start):])
+    with pytest.raises(ManifestError, match=r"key 'stacks.sglang-0.5.9.server_choices': expected a table \(missing\)"):
+        load_manifest(broken)
+
+
+@pytest.mark.parametrize("manifest", ["/nonexistent/stack.toml", "relative/stack.toml"])
+def test_a_bad_servestack_manifest_does_not_hide_the_hosts_other_problems(manifest):
+    data = {"servestack_manifest": manifest, "service_port": -5, "servce_port": 1}
+    lines = refusal(data).splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0] in (f"host h1: {manifest}: manifest file not found",
+                        f"host h1: 'servestack_manifest': expected an absolute path, got {manifest!r}")
+    assert lines[1:] == [
+        f"host h1: 'servce_port': unknown key, 1 edit from 'service_port': did you mean 'service_port'? {USER_HINT}",
+        "host h1: 'service_port': expected an integer from 1 to 65535, got -5"]
+
+
+def test_hosts_sharing_a_broken_manifest_get_it_once_and_each_its_own_problems():
+    hosts = [FakeHost(name, {"servestack_manifest": "/nonexistent/stack.toml", **data})
+             for name, data in (("h1", {"service_port": 0}), ("h2", {}))]
+    with pytest.raises(ConfigError) as error:
+        validate_targets(FakeState(hosts), environ={})
+    lines = str(error.value).splitlines()[1:]
+    assert lines == ["hosts h1, h2: /nonexistent/stack.toml: manifest file not found",
+                     "host h1: 'service_port': expected an integer from 1 to 65535, got 0"], lines

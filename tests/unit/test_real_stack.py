@@ -30,7 +30,7 @@ from packaging.version import Version
 
 from sandbox.standins import closure
 from sandbox.standins.pypi import fetch_wheel
-from servestack.manifest import load_manifest
+from servestack.manifest import SERVER_CHOICES, load_manifest
 
 MANIFEST = load_manifest()
 PYTHON = "3.12"   # the GPU hosts' (Ubuntu 24.04)
@@ -152,3 +152,50 @@ def test_glm_5s_config_type_is_refused_by_sglang_0_5_9s_transformers():
     assert "glm_moe_dsa" not in sglang_registered_config_types("0.5.9")
     said = load_config("4.57.1", "glm_moe_dsa", "GlmMoeDsaForCausalLM")
     assert said.startswith("REFUSED") and "glm_moe_dsa" in said, said
+
+
+# --- the values sglang's argument parser allows (issue 32 §6) ----------------------------------------
+
+def _module_lists(tree: ast.Module) -> dict[str, list]:
+    lists = {}
+    for node in tree.body:
+        literal = isinstance(node, ast.Assign) and isinstance(node.value, ast.List) \
+            and not any(isinstance(item, ast.Starred) for item in node.value.elts)   # [*OTHER, "x"]: not needed
+        if literal and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            lists[node.targets[0].id] = ast.literal_eval(node.value)
+    return lists
+
+
+def sglang_server_choices(version: str) -> dict[str, list[str]]:
+    """{servestack key: choices} of the real sglang `version`'s srt/server_args.py: an
+    `add_argument("--flag", choices=...)` (0.5.9), or a ServerArgs field's `Arg(choices=...)` (0.5.14)."""
+    with zipfile.ZipFile(fetch_wheel("sglang", version)) as wheel:
+        tree = ast.parse(wheel.read("sglang/srt/server_args.py").decode())
+    lists, by_flag = _module_lists(tree), {flag: key for key, flag in SERVER_CHOICES.items()}
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args \
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value in by_flag:
+            key, calls = by_flag[node.args[0].value], [node]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in SERVER_CHOICES:
+            key = node.target.id
+            calls = [call for call in ast.walk(node.annotation)
+                     if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "Arg"]
+        else:
+            continue
+        for call in calls:
+            for keyword in call.keywords:
+                if keyword.arg == "choices":
+                    value = keyword.value
+                    found[key] = lists[value.id] if isinstance(value, ast.Name) else ast.literal_eval(value)
+    return found
+
+
+@pytest.mark.parametrize("stack", sorted(MANIFEST.stacks))
+def test_each_stacks_server_choices_are_its_real_sglangs(stack):
+    """The manifest's [server_choices], which host data is checked against before connecting, are the
+    lists in the real sglang wheel the stack pins."""
+    version = MANIFEST.stacks[stack].package("sglang").version
+    real = sglang_server_choices(version)
+    assert set(real) == set(SERVER_CHOICES), real
+    assert {key: list(values) for key, values in MANIFEST.stacks[stack].server_choices} == real

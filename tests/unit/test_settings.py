@@ -141,7 +141,7 @@ def test_three_bad_values_give_three_lines():
     """A wrong type does not hide a consistency problem (issue 16: only two of these showed)."""
     message = refused_host({"service_tp": 3, "service_port": -1, "rollout_batch": 0})
     assert message.splitlines() == [
-        "host gpu-7: 'rollout_batch': expected an integer >= 1, got 0",
+        "host gpu-7: 'rollout_batch': expected an integer from 1 to 1000, got 0",
         "host gpu-7: 'service_port': expected an integer from 1 to 65535, got -1",
         "host gpu-7: 'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 3",
     ]
