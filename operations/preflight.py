@@ -37,6 +37,7 @@ from facts.gpu import GpuReport, NvidiaGpus
 from facts.host import DiskSpace, HostLock, LockState, parse_lock, release_lock_command, take_lock_command
 from facts.preflight import PreflightFacts
 from facts.toolkit import CudaToolkits, ToolkitState, toolkit_fact_arguments
+from operations import service
 from operations.toolkit import (
     assess_install,
     digest_problem,
@@ -64,7 +65,7 @@ from servestack.paths import kept_paths, lock_path, runfile_source
 from servestack.settings import Settings, host_settings
 
 CHECKS = ("driver", "gpus", "compute_capability", "arch", "install_path", "runfile", "disk", "lock",
-          "link", "kept_toolkits")
+          "link", "kept_toolkits", "service")
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ def _checked_reads(settings: Settings) -> list[FactRequest]:
     return [FactRequest.of(NvidiaGpus),
             FactRequest.of(DiskSpace,
                            paths=(settings.cuda_cache_dir, settings.cuda_tmpdir, settings.cuda_install_path)),
-            FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings))]
+            FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings)),
+            *service.service_host_reads(settings)]
 
 
 def _lock_read(settings: Settings) -> FactRequest:
@@ -110,10 +112,10 @@ def read_preflight(host_, settings: Settings, also: Sequence[FactRequest] = (), 
     command of its own; the toolkit step reuses that read in this stage). `lock`: the lock as the
     caller has just taken it (not read)."""
     own = _checked_reads(settings) + ([] if lock else [_lock_read(settings)])
-    gpu, disks, toolkit, *read_lock = reads.read(host_, [*own, *also])[:len(own)]
+    gpu, disks, toolkit, curl, unit_state, account, *read_lock = reads.read(host_, [*own, *also])[:len(own)]
     runfile_digest = read_runfile_digest(host_, settings, toolkit) if digest and toolkit else None
     return PreflightFacts(gpu=gpu, disks=disks, lock=lock or read_lock[0], toolkit=toolkit,
-                          runfile_digest=runfile_digest)
+                          runfile_digest=runfile_digest, service=(bool(curl), unit_state or {}, account or {}))
 
 
 def check_driver(settings: Settings, gpu: GpuReport) -> CheckResult:
@@ -278,6 +280,19 @@ def check_install_path(settings: Settings, facts: PreflightFacts) -> CheckResult
     return _ok("install_path", verdict.detail)
 
 
+def check_service(settings: Settings, facts: PreflightFacts) -> CheckResult:
+    """What would stop the service step after the toolkit and the venv changed: no systemd, no curl for
+    the health gate, a service user that is someone's login."""
+    if not facts.service:
+        return CheckResult("service", "skip", "not read")
+    curl, unit_state, account = facts.service
+    problems = service.unit_host_problems(settings, curl, unit_state)
+    login = service.login_user_problem(settings, account)
+    if problems or login:
+        return _fail("service", *problems, *([login] if login else []))
+    return _ok("service", f"systemd runs the host, curl is there, {settings.service_user} can be its user")
+
+
 def _toolkit(facts: PreflightFacts) -> ToolkitState:
     if facts.toolkit is None:
         raise ValueError("the toolkit checks need the toolkits read: evaluate refuses a host without them")
@@ -296,14 +311,16 @@ def evaluate(settings: Settings, facts: PreflightFacts, run: str | None = None) 
                                                "run again; if it persists, run servestack doctor"),
                          *(CheckResult(name, "skip", unread) for name in ("runfile", "disk")),
                          check_lock(settings, facts, run),
-                         *(CheckResult(name, "skip", unread) for name in ("link", "kept_toolkits"))]
+                         *(CheckResult(name, "skip", unread) for name in ("link", "kept_toolkits")),
+                         check_service(settings, facts)]
     arch_known = checks[-1].status == "ok"
     checks.append(check_install_path(settings, facts))
     if arch_known:
         checks += [check_runfile(settings, facts), check_disk(settings, facts)]
     else:
         checks += [CheckResult(name, "skip", "unknown architecture") for name in ("runfile", "disk")]
-    checks += [check_lock(settings, facts, run), check_link(settings, facts), check_kept(settings, facts)]
+    checks += [check_lock(settings, facts, run), check_link(settings, facts), check_kept(settings, facts),
+               check_service(settings, facts)]
     return checks
 
 

@@ -538,14 +538,10 @@ def unit(release: Release, supplementary_groups: tuple[str, ...] = (),
     Writing the unit never restarts the service: ``restart`` decides that.
     """
     settings = host_settings(host)
-    if not reads.fact(host, Which, command="curl"):
-        yield from refuse(host, ["curl is needed on the host for the service health gate; install it "
-                                 "(the service was not touched)"])
-        return
     state = reads.fact(host, UnitState, unit=settings.service_name)
-    if state.get("SystemdRunning") == "no":
-        yield from refuse(host, ["systemd is not the init system here (no /run/systemd/system): "
-                                 f"{settings.service_name} cannot run on this host"])
+    problems = unit_host_problems(settings, bool(reads.fact(host, Which, command="curl")), state)
+    if problems:   # preflight refused such a host before any change; here for a host changed since
+        yield from refuse(host, problems)
         return
     text = desired_unit(settings, release, supplementary_groups)
     path = unit_path(settings)
@@ -692,7 +688,29 @@ def sglang_service(release: Release):
 
 
 def _login_user_problem(settings: Settings) -> str | None:
-    entry = reads.fact(host, UserAccount, user=settings.service_user).get(settings.service_user)
+    return login_user_problem(settings, reads.fact(host, UserAccount, user=settings.service_user))
+
+
+# -- what keeps a host from running the service (preflight checks them before any change) -------------
+
+def service_host_reads(settings: Settings) -> list[FactRequest]:
+    return [FactRequest.of(Which, command="curl"), FactRequest.of(UnitState, unit=settings.service_name),
+            FactRequest.of(UserAccount, user=settings.service_user)]
+
+
+def unit_host_problems(settings: Settings, has_curl: bool, unit_state: dict) -> list[str]:
+    problems = []
+    if not has_curl:
+        problems.append("curl is needed on the host for the service health gate; install it "
+                        "(the service was not touched)")
+    if unit_state.get("SystemdRunning") == "no":
+        problems.append("systemd is not the init system here (no /run/systemd/system): "
+                        f"{settings.service_name} cannot run on this host")
+    return problems
+
+
+def login_user_problem(settings: Settings, accounts: dict) -> str | None:
+    entry = (accounts or {}).get(settings.service_user)
     if entry and entry["uid"] >= FIRST_LOGIN_UID:
         return (f"'service_user': {settings.service_user} is an existing login user (uid {entry['uid']}); "
                 "the service runs as a dedicated system user: pick a name that does not exist yet "

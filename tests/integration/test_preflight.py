@@ -47,7 +47,7 @@ def test_doctor_reports_every_check_and_changes_nothing(pf):
     good, bad = report["hosts"]["h1"], report["hosts"]["h2"]
     assert good["ok"] is True
     assert list(good["checks"]) == ["settings", "connect", "driver", "gpus", "compute_capability", "arch",
-                                    "install_path", "runfile", "disk", "lock", "link", "kept_toolkits"]
+                                    "install_path", "runfile", "disk", "lock", "link", "kept_toolkits", "service"]
     assert {name for name, check in bad["checks"].items() if check["status"] == "fail"} == {
         "driver", "compute_capability"}
     assert "GPU 0 (NVIDIA H200" in bad["checks"]["compute_capability"]["detail"]
@@ -57,6 +57,29 @@ def test_doctor_reports_every_check_and_changes_nothing(pf):
     table = doctor(pf, "--limit", "h2")
     assert table.returncode == 1
     assert "compute_capability" in table.stdout and "1 of 1 hosts would be refused" in table.stdout
+
+
+def test_a_host_without_systemd_is_refused_by_preflight_before_any_change(pf):
+    """Issue 32 §1: on a host whose init is not systemd, a deploy backed up the environment, recorded the
+    toolkit and started the venv build before the service step refused the host. Preflight refuses it now,
+    in the same list as its other problems, and doctor says the same. The host's systemd hides the
+    marker every systemd tool reads (/run/systemd/system, sd_booted(3)) for the test."""
+    host = pf.host("h1")
+    pf.scenario(host, "doctor-good")
+    pf.sh(host, "mv /run/systemd/system /run/systemd/system.hidden")
+    try:
+        before = pf.lab.fingerprint(host)
+        report = json.loads(doctor(pf, "--json", "--limit", "h1").stdout)["hosts"]["h1"]["checks"]["service"]
+        run = pf.pyinfra(DEPLOY, limit=["h1"])
+        dry = pf.pyinfra(DEPLOY, limit=["h1"], dry=True)
+        after = pf.lab.fingerprint(host)
+    finally:
+        pf.sh(host, "mv /run/systemd/system.hidden /run/systemd/system")
+    refusal = "systemd is not the init system here (no /run/systemd/system): sglang.service cannot run on this host"
+    assert report["status"] == "fail" and refusal in report["detail"]
+    assert run.returncode != 0 and f"refused: {refusal}" in run.output, run.output[-4000:]
+    assert f"refused: {refusal}" in dry.output and "install 13.0.1 into" not in dry.output, dry.output[-4000:]
+    assert after == before
 
 
 def busy(pf, host) -> bool:
