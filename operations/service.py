@@ -272,8 +272,9 @@ def secrets_content(host_name: str, names: tuple[str, ...], environ=os.environ) 
 # -- the health gate -------------------------------------------------------------------------------
 
 def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
-                     record: dict | None) -> dict[str, str]:
-    """Inputs of the health-gate script (files/scripts/sglang-health-gate.sh)."""
+                     record: dict | None, unit_source: str | None = None) -> dict[str, str]:
+    """Inputs of the health-gate script (files/scripts/sglang-health-gate.sh); it installs `unit_source`
+    (default: the release's copy of the unit, which the `unit` operation writes) as the service's unit."""
     previous = (record or {}).get("release")
     if previous:
         previous_venv = release(settings, previous).venv
@@ -284,6 +285,7 @@ def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
     return {
         "SS_UNIT": settings.service_name,
         "SS_UNIT_PATH": unit_path(settings),
+        "SS_UNIT_SOURCE": unit_source or unit_copy_path(settings, rel),
         "SS_URL": check_url(settings),
         "SS_HEALTH_TIMEOUT": str(settings.service_health_timeout_s),
         "SS_GENERATE_TIMEOUT": str(GENERATE_TIMEOUT_S),
@@ -414,6 +416,7 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
         FactRequest.of(Which, command="curl"),
         FactRequest.of(UnitState, unit=settings.service_name),
         FactRequest.of(Sha256File, path=unit_path(settings)),
+        FactRequest.of(Sha256File, path=good_unit_path(settings)),
         FactRequest.of(ServiceRecord, path=service_record_path(settings)),
         FactRequest.of(ServiceRecord, path=speculation_record_path(settings)),
     ]
@@ -524,7 +527,7 @@ def secrets_file(content: Secret | None):
 def unit(release: Release, supplementary_groups: tuple[str, ...] = (),
          pre_deploy_venv: dict | None = None):
     """
-    Render the unit for the release, install it, keep a copy in the release, enable it.
+    Render the unit for the release and keep it in the release, where the health gate installs it from.
 
     + release: the release the unit runs (deploy.py: the one this run leaves active; in ``--dry``
       it may not exist yet, its paths are known)
@@ -533,9 +536,12 @@ def unit(release: Release, supplementary_groups: tuple[str, ...] = (),
       of ``MlEnvState``); names the release a unit servestack did not write belongs to, the first
       time servestack replaces it
 
-    The first time servestack replaces a unit it did not write, that unit is kept as the last
-    known-good one, so a failed first restart goes back to it. ``--diff`` shows the unit's diff.
-    Writing the unit never restarts the service: ``restart`` decides that.
+    The service's unit file (/etc/systemd/system) is written only by the health gate, which installs
+    the unit it starts (``restart``): systemd never holds a unit no gate started, even when this run
+    stops between the steps. Where that file was edited since the gate verified it, the verified unit
+    is put back (its copy in the state directory). The first time servestack replaces a unit it did not
+    write, that unit is kept as the last known-good one, so a failed first restart goes back to it.
+    ``--diff`` shows the unit's diff.
     """
     settings = host_settings(host)
     state = reads.fact(host, UnitState, unit=settings.service_name)
@@ -544,26 +550,31 @@ def unit(release: Release, supplementary_groups: tuple[str, ...] = (),
         yield from refuse(host, problems)
         return
     text = desired_unit(settings, release, supplementary_groups)
-    path = unit_path(settings)
+    path, wanted = unit_path(settings), sha256_text(text)
     current_sha = reads.fact(host, Sha256File, path=path)
     commands = []
-    if current_sha != sha256_text(text):
+    if current_sha != wanted:
         current_lines = reads.fact(host, FileContents, path=path) or []
         if current_sha and reads.fact(host, ServiceRecord, path=service_record_path(settings)) is None:
             commands += _baseline_commands(settings, current_lines, pre_deploy_venv)
         if host.state.config.DIFF:
             _log_unit_diff(path, current_lines, text)
-        commands += [StringCommand(atomic_write_command(path, text, "644")),
-                     StringCommand("systemctl", "daemon-reload")]
+        if reads.fact(host, Sha256File, path=good_unit_path(settings)) == wanted:
+            plan(host, f"{path} was edited since the health gate verified it: the verified unit is put back")
+            commands += [StringCommand(atomic_copy_command(good_unit_path(settings), path, "644")),
+                         StringCommand("systemctl", "daemon-reload")]
+        else:
+            plan(host, f"the health gate installs {path} for release {release.id} when it starts it")
     elif state.get("NeedDaemonReload") == "yes":
         commands.append(StringCommand("systemctl", "daemon-reload"))
     copy_path = unit_copy_path(settings, release)
-    if reads.fact(host, Sha256File, path=copy_path) != sha256_text(text):
+    if reads.fact(host, Sha256File, path=copy_path) != wanted:
         commands.append(StringCommand(atomic_write_command(copy_path, text, "644")))
-    if state.get("UnitFileState") != "enabled":
+    if current_sha == wanted and state.get("UnitFileState") != "enabled":
         commands.append(StringCommand("systemctl", "enable", "--", QuoteString(settings.service_name)))
     if not commands:
-        noop(host, f"{path} is current for release {release.id}")
+        noop(host, f"{path} is current for release {release.id}" if current_sha == wanted
+             else f"{copy_path} is current for release {release.id}")
         return
     yield from commands
 
@@ -625,12 +636,16 @@ def restart(release: Release, secrets_sha: str | None = None,
     once more than ``rollout_failure_budget`` hosts failed their gate, the others are not restarted.
     """
     settings = host_settings(host)
-    wanted = fingerprint(desired_unit(settings, release, supplementary_groups), secrets_sha)
+    text = desired_unit(settings, release, supplementary_groups)
+    wanted = fingerprint(text, secrets_sha)
     record = reads.fact(host, ServiceRecord, path=service_record_path(settings))
     state = reads.fact(host, UnitState, unit=settings.service_name)
     elsewhere = restarted_since_verified(record, state) and edited_since_verified(
         record, (reads.fact(host, File, path=unit_path(settings)) or {}).get("mtime"))
-    if record and record.get("fingerprint") == wanted and running(state) and not elsewhere:
+    in_place = reads.fact(host, Sha256File, path=unit_path(settings))
+    verified_copy = reads.fact(host, Sha256File, path=good_unit_path(settings))   # `unit` puts it back in place
+    unverified = sha256_text(text) not in (in_place, verified_copy)
+    if record and record.get("fingerprint") == wanted and running(state) and not elsewhere and not unverified:
         noop(host, f"{settings.service_name} runs release {release.id} as last verified healthy; not restarted")
         return
     local_paths = local_model_paths(settings)
@@ -652,6 +667,8 @@ def restart(release: Release, secrets_sha: str | None = None,
             return
         failures.gating(op_hash, host.name)
     why = ("it was restarted from a unit edited since its last verified start" if elsewhere
+           else f"{unit_path(settings)} is not the unit the health gate verified, and no copy of that one is "
+                "kept: the gate installs this release's and starts it" if unverified and record and running(state)
            else "what it runs with changed" if record and running(state)
            else f"it is {unit_state_text(state)}" if record else "no healthy start recorded yet")
     verb = "restarting" if host.state.is_executing else "will restart"

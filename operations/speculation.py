@@ -56,7 +56,12 @@ from servestack.hostrun import (
     write_record,
 )
 from servestack.manifest import PROJECT_ROOT
-from servestack.paths import service_record_path, speculation_record_path, unit_copy_path, unit_path
+from servestack.paths import (
+    benchmark_unit_path,
+    service_record_path,
+    speculation_record_path,
+    unit_copy_path,
+)
 from servestack.releases import Release
 from servestack.scripts import atomic_write_command, python_script_command, script_command
 from servestack.serving import check_url, speculates
@@ -180,14 +185,15 @@ def benchmark(release: Release, on_demand: dict | None = None):
 
 
 def _start(state, host, job: Job, config: str) -> bool:
-    """Write `config`'s unit and start it through the health gate (which rolls back on failure)."""
+    """Start `config`'s unit through the health gate, which installs it (and rolls back on failure)."""
     settings, text = job.settings, job.units[config]
-    ok, _, stderr = run_remote(host, atomic_write_command(unit_path(settings), text, "644"))
+    staged = benchmark_unit_path(settings, job.release, config)
+    ok, _, stderr = run_remote(host, atomic_write_command(staged, text, "644"))
     if not ok:
-        return fail_host(host, REFUSED, [f"could not write the {config} unit {unit_path(settings)}: "
+        return fail_host(host, REFUSED, [f"could not write the {config} unit {staged}: "
                                          f"{' '.join(stderr)}; {settings.service_name} was not restarted"])
     environment = service.gate_environment(settings, job.release, service.fingerprint(text, job.secrets_sha),
-                                           {"release": job.release.id})
+                                           {"release": job.release.id}, unit_source=staged)
     environment["SS_PREVIOUS_LABEL"] = "the last unit that passed the health gate"
     step = f"health-gated start of the {config} configuration of {settings.service_name}"
     gate = while_busy(host, settings.servestack_state_dir, step, service.gate_command(environment))

@@ -94,8 +94,14 @@ def release_cache_dir(settings: Settings, release_id: str) -> str:
 
 
 def unit_copy_path(settings: Settings, rel: Release) -> str:
-    """The copy of the unit kept in its release (the unit that release ran with)."""
+    """The copy of the unit kept in its release (the unit that release runs with): what the health
+    gate installs as the service's unit when it starts it."""
     return f"{rel.dir}/{settings.service_name}"
+
+
+def benchmark_unit_path(settings: Settings, rel: Release, configuration: str) -> str:
+    """The unit of one benchmark configuration, which the health gate installs when it starts it."""
+    return f"{rel.dir}/{settings.service_name}.{configuration}"
 
 
 # -- releases ---------------------------------------------------------------------------------------

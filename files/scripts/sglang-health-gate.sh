@@ -1,6 +1,7 @@
 # sglang-health-gate.sh  (inputs in the environment; run as root by operations/service.py `restart`)
 #
-# The health gate for one SGLang unit. (Re)start the unit, wait until GET /health answers 200,
+# The health gate for one SGLang unit. Install the unit it starts (SS_UNIT_SOURCE: systemd never
+# holds a unit as the service's that no gate started), (re)start it, wait until GET /health answers 200,
 # send one real POST /generate and require a non-empty "text". On success remember the unit as
 # the last known-good one (SS_GOOD_UNIT) and record its fingerprint (SS_RECORD). On failure
 # re-activate the last known-good release and unit, restart that, wait until it is healthy and
@@ -9,6 +10,8 @@
 # Inputs (environment; every one is set by operations/service.py `gate_environment`):
 #   SS_UNIT              the unit's name (sglang.service)
 #   SS_UNIT_PATH         its file in /etc/systemd/system
+#   SS_UNIT_SOURCE       the unit to start: copied over SS_UNIT_PATH (atomically) and enabled right
+#                        before the restart (the release's copy, or the benchmark's configuration)
 #   SS_URL               where the server answers, from the host itself (http://127.0.0.1:30000)
 #   SS_HEALTH_TIMEOUT    seconds to wait for GET /health
 #   SS_GENERATE_TIMEOUT  seconds for the POST /generate
@@ -157,7 +160,16 @@ record_reactivation() {
 
 restore_good_unit() { copy_atomically "$SS_GOOD_UNIT" "$SS_UNIT_PATH" 644; }
 
-if restart_and_check; then
+# The unit this gate starts becomes the service's unit only now, just before its start.
+install_unit() {
+  if ! copy_atomically "$SS_UNIT_SOURCE" "$SS_UNIT_PATH" 644 || ! systemctl daemon-reload ||
+       ! systemctl enable --quiet -- "$SS_UNIT"; then
+    reason="could not install $SS_UNIT_SOURCE as $SS_UNIT_PATH"
+    return 1
+  fi
+}
+
+if install_unit && restart_and_check; then
   if ! remember_good_unit; then
     message "$SS_UNIT is healthy on release $SS_RELEASE but its record in $SS_STATE_DIR could not be written"
     exit 1

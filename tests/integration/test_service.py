@@ -439,6 +439,34 @@ def test_a_server_restarted_by_hand_from_an_edited_unit_is_restarted_from_the_un
     assert again.rc == 0 and again.changed == 0, again.log
 
 
+@integration
+def test_a_run_that_stops_between_the_unit_and_the_gate_leaves_the_verified_unit_loaded(service_lab):
+    """Issue 32 §2: the unit step wrote the new unit and reloaded systemd before the gate ran; a run stopped
+    in between left an ungated unit that a crash or a reboot would start. The gate installs what it starts."""
+    svc = service_lab(1)
+    host = svc.sb.hosts[0]
+    svc.serve("r-000000000001")
+    verified = svc.sh(host, f"cat {UNIT}")
+    unit_only = "service.unit(name='Unit only', release=service.release(settings, release_id))"
+    svc.deploy.write_text(DEPLOY.replace("service.sglang_service(service.release(settings, release_id))", unit_only))
+    stopped = svc.converge({"service_attention_backend": "triton"}, "-y")     # the run that stopped after it
+    assert stopped.rc == 0, stopped.log
+    assert svc.sh(host, f"cat {UNIT}") == verified
+    assert "--attention-backend triton" in svc.sh(host, f"cat {RELEASES}/r-000000000001/sglang.service")
+    assert svc.sh(host, "systemctl show --property=NeedDaemonReload --value sglang.service").strip() == "no"
+    svc.sh(host, "systemctl restart sglang.service")   # what a crash or a reboot does: the verified unit starts
+    deadline = time.monotonic() + 60
+    while svc.sh(host, f"curl -sf -o /dev/null http://127.0.0.1:{PORT}/health; echo $?", check=False).strip() != "0":
+        assert time.monotonic() < deadline, "the restarted server never answered"
+        time.sleep(0.5)
+    assert svc.server_args(host)["attention_backend"] == "flashinfer"
+    svc.deploy.write_text(DEPLOY)
+    run = svc.converge({"service_attention_backend": "triton"}, "-y")
+    assert run.rc == 0, run.log
+    assert svc.server_args(host)["attention_backend"] == "triton"
+    assert svc.converge({"service_attention_backend": "triton"}, "-y").changed == 0
+
+
 HOLD = "/etc/servestack-sandbox/sglang-hold"   # FAKE_SGLANG_HOLD_FILE: /health answers 503 while it exists
 
 

@@ -567,9 +567,12 @@ def test_auto_measures_both_configurations_through_the_gate_and_keeps_the_winner
     assert record["configurations"]["baseline"]["accept_length"] is None
     said = "speculation kept" if chosen == "speculation" else "speculation off"
     assert f"{said}: " in caplog.text and "tok/s with speculation vs" in caplog.text
-    written = [command for command in target.connector.executed_commands if "/etc/systemd/system/sglang.service" in
-               command and "atomic-write.sh" in command]
-    assert len(written) == len(gates)  # each start wrote its unit first
+    commands = target.connector.executed_commands
+    staged = [command for command in commands if "atomic-write.sh" in command
+              and f"/opt/servestack/releases/{RELEASE_ID}/sglang.service." in command]
+    assert len(staged) == len(gates)  # each start staged its unit, which its gate installs
+    assert not [command for command in commands if "atomic-write.sh" in command
+                and "/etc/systemd/system/sglang.service " in command]   # never written but by the gate
     assert any(f"/opt/servestack/releases/{RELEASE_ID}/sglang.service" in command
                for command in target.connector.executed_commands)   # the release's copy of the chosen unit
 

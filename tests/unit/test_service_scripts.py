@@ -164,6 +164,7 @@ class Gate:
             python.write_text("#!/bin/sh\n")
             python.chmod(0o755)
         self.unit = root / "sglang.service"
+        self.source = root / "releases" / "r-b" / "sglang.service"   # the release's copy: what the gate installs
         self.venv = root / "ml-env"
         self.venv.symlink_to(root / "releases" / "r-b" / "venv")
         self.state = root / "state"
@@ -193,7 +194,8 @@ class Gate:
         """Restart onto `unit` where an earlier healthy restart, on release r-a, left `good_unit`."""
         self.state.mkdir()
         self.good_unit.write_text(good_unit)
-        self.unit.write_text(unit)
+        self.unit.write_text(good_unit)
+        self.source.write_text(unit)
         return self.run(previous="r-a")
 
     def record(self) -> dict | None:
@@ -207,11 +209,11 @@ def gate(tmp_path) -> Gate:
 
 
 def test_a_healthy_restart_is_remembered_as_the_last_good_unit(gate):
-    gate.unit.write_text("ExecStart=release r-b\n")
+    gate.source.write_text("ExecStart=release r-b\n")
     proc = gate.run()
     assert proc.returncode == 0, proc.stderr
     assert "sglang.service is healthy on release r-b and answered a generation request" in proc.stdout
-    assert gate.good_unit.read_text() == "ExecStart=release r-b\n"
+    assert gate.unit.read_text() == gate.good_unit.read_text() == "ExecStart=release r-b\n"
     record = gate.record()
     assert (record["fingerprint"], record["release"], record["unit"]) == ("f" * 64, "r-b", str(gate.unit))
     assert record["invocation"] == "0123abcd"   # the start it verified (the stand-in's InvocationID)
@@ -237,7 +239,7 @@ def test_a_failed_release_is_rolled_back_to_the_last_good_release_and_unit(gate)
 def test_restarts_the_unit_had_before_the_gates_restart_are_not_taken_for_a_crash(gate):
     """systemctl restart does not reset NRestarts: after a crash loop a healthy server that takes a
     moment to answer still shows the old count."""
-    gate.unit.write_text("ExecStart=release r-b\n")
+    gate.source.write_text("ExecStart=release r-b\n")
     proc = gate.run(stubs={"STUB_NRESTARTS": "3", "STUB_HEALTH_FAILS": "2"})
     assert proc.returncode == 0, proc.stderr
     assert "is healthy on release r-b" in proc.stdout
@@ -274,12 +276,33 @@ def test_the_gate_reads_the_units_state_in_one_systemctl_call_per_poll(gate):
 
 
 def test_a_failure_with_no_earlier_healthy_unit_stops_the_service(gate):
-    gate.unit.write_text("BROKEN\n")
+    gate.source.write_text("BROKEN\n")
     proc = gate.run()
     assert proc.returncode == 1
     assert "no earlier healthy unit to roll back to, so sglang.service was stopped" in proc.stderr
     assert "systemctl stop -- sglang.service" in gate.log.read_text()
     assert os.readlink(gate.venv) == str(gate.root / "releases" / "r-b" / "venv")
+
+
+def test_the_gate_installs_the_unit_it_starts_just_before_the_restart(gate):
+    """Issue 32 §2: the unit file was written (and daemon-reloaded) a step before the gate; a run killed in
+    between left an ungated unit loaded. The gate installs it, enables it, then restarts."""
+    gate.source.write_text("ExecStart=release r-b\n")
+    assert gate.run().returncode == 0
+    calls = gate.log.read_text().splitlines()
+    enable, restart = "systemctl enable --quiet -- sglang.service", "systemctl restart -- sglang.service"
+    assert calls.index(enable) < calls.index(restart)
+
+
+def test_a_unit_the_gate_cannot_install_is_never_started(gate):
+    gate.state.mkdir()
+    gate.good_unit.write_text("ExecStart=release r-a\n")
+    gate.unit.write_text("ExecStart=release r-a\n")
+    proc = gate.run(previous="r-a")                      # no release copy to install
+    assert proc.returncode == 1
+    assert f"could not install {gate.source} as {gate.unit}" in proc.stderr
+    assert gate.unit.read_text() == "ExecStart=release r-a\n"
+    assert "rolled back to release r-a" in proc.stderr
 
 
 def test_a_rollback_that_fails_too_exits_2(gate):
