@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shlex
 from dataclasses import dataclass
 
 from pyinfra import host, logger
@@ -52,11 +53,13 @@ from servestack.hostrun import (
     run_id,
     run_remote,
     said_in,
+    utc_stamp,
     while_busy,
     write_record,
 )
 from servestack.manifest import PROJECT_ROOT
 from servestack.paths import (
+    benchmark_marker_path,
     benchmark_unit_path,
     service_record_path,
     speculation_record_path,
@@ -86,6 +89,7 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
     the decision's record, the health gate's record and the unit (on demand), the GPU groups (when
     benchmarking), what the service runs (the release's patch set)."""
     requests = [FactRequest.of(ServiceRecord, path=speculation_record_path(settings)),
+                FactRequest.of(ServiceRecord, path=benchmark_marker_path(settings)),
                 FactRequest.of(ServiceRecord, path=service_record_path(settings)),
                 FactRequest.of(UnitState, unit=settings.service_name),
                 FactRequest.of(Groups)]
@@ -156,10 +160,17 @@ def benchmark(release: Release, on_demand: dict | None = None):
         return
     identity = service.service_identity(settings, release)
     record = reads.fact(host, ServiceRecord, path=speculation_record_path(settings))
+    unfinished = reads.fact(host, ServiceRecord, path=benchmark_marker_path(settings))
+    if unfinished:
+        host.log(unfinished_benchmark_line(settings, unfinished, after_service_step=on_demand is None),
+                 logger.warning)
     if on_demand is None:
         needed, why = benchmark_reason(settings.service_speculation, settings.service_speculation_min_gain,
                                        record, identity)
         if not needed:
+            if unfinished and is_executing(host):
+                write_record(host, f"rm -f -- {shlex.quote(benchmark_marker_path(settings))}",
+                             "the unfinished benchmark's marker")
             noop(host, why)
             return
     else:
@@ -225,7 +236,27 @@ def _summary(config: str, result: dict) -> str:
             + (" [SIMULATED by the stand-in]" if (result.get("server") or {}).get("standin") else ""))
 
 
+def unfinished_benchmark_line(settings: Settings, marker: dict, after_service_step: bool) -> str:
+    """What a run says when it finds the marker of a benchmark whose controller was killed."""
+    now = ("the service step of this run has put back the unit the policy chooses" if after_service_step
+           else "this benchmark measures both again and leaves the unit the policy chooses")
+    return (f"the speculation benchmark of run {marker.get('run_id')} ({marker.get('by')}, started "
+            f"{marker.get('started')}) did not finish: it may have left {settings.service_name} on either "
+            f"configuration, and recorded nothing; {now}")
+
+
 def _run_benchmark(state, host, job: Job) -> bool:
+    """Both configurations measured and the decision recorded, with a marker on the host meanwhile."""
+    marker = benchmark_marker_path(job.settings)
+    write_record(host, atomic_write_command(marker, json.dumps({"run_id": run_id(state), "by": job.by,
+                                                                "started": utc_stamp()}), "644"),
+                 "the benchmark's marker")
+    done = _measure_and_decide(state, host, job)
+    write_record(host, f"rm -f -- {shlex.quote(marker)}", "the end of the benchmark's marker")
+    return done
+
+
+def _measure_and_decide(state, host, job: Job) -> bool:
     settings = job.settings
     results, running = {}, None
     for config in (BASELINE, SPECULATION):

@@ -55,6 +55,12 @@ def speculation_record_path(settings: Settings) -> str:
     return f"{settings.servestack_state_dir}/{SPECULATION_RECORD}"
 
 
+def benchmark_marker_path(settings: Settings) -> str:
+    """Present while a speculation benchmark runs on the host: one left behind names a benchmark that
+    did not finish (its controller was killed)."""
+    return f"{settings.servestack_state_dir}/speculation.running.json"
+
+
 def service_state_dir(settings: Settings) -> str:
     return f"{settings.servestack_state_dir}/service"
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from pyinfra_run import PyinfraRun, apply, dry_run, run_pyinfra, small_benchmark_manifest
+from pyinfra_run import PYINFRA, PyinfraRun, apply, dry_run, run_pyinfra, small_benchmark_manifest
 from sandbox.lab import STANDIN_SERVER_DIR
 from sandbox.rehearse import server_info
 
@@ -168,3 +169,44 @@ def test_a_benchmark_that_fails_midway_leaves_the_previous_unit_serving(fleet):
     assert info["server_args"]["speculative_algorithm"] == "EAGLE3" and "--log-level" in info["argv"]
     assert record(lab, h1) == kept   # nothing recorded: the next deploy measures again
     assert sh(lab, h1, "cat /var/lib/servestack/lock 2>/dev/null || echo released").strip() == "released"
+
+
+MARKER = "/var/lib/servestack/speculation.running.json"
+
+
+def test_a_benchmark_whose_controller_is_killed_is_named_by_the_next_run_which_finishes_the_job(fleet):
+    """Issue 32 §3: a SIGKILL of the controller during the benchmark left a configuration serving and no
+    decision, and the next run measured again without saying why. It names the unfinished benchmark,
+    serves the unit the policy chooses, measures and records, and leaves no marker."""
+    lab = fleet.lab
+    h2 = lab.hosts[1]
+    fleet.configure(h2={"service_extra_args": ["--log-level", "warning"]})   # what h2 runs changed: measure
+    argv = lab.controller_argv([PYINFRA, str(lab.inventory_path), "deploy.py", "-y", "--limit", "h2"])
+    run = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while lab.exec(h2, f"test -e {MARKER}").returncode != 0:
+            assert run.poll() is None and time.monotonic() < deadline, "the benchmark never started"
+            time.sleep(0.2)
+        marker = json.loads(sh(lab, h2, f"cat {MARKER}"))
+        run.kill()                                            # SIGKILL: the controller dies mid-benchmark
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.wait()
+    deadline = time.monotonic() + 300
+    while lab.exec(h2, "flock -n /var/lib/servestack/lock.busy true").returncode != 0:   # its gate finishes
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+    again = run_pyinfra(lab, "-y", "--limit", "h2")
+    assert again.returncode == 0, again.output[-6000:]
+    assert (f"the speculation benchmark of run {marker['run_id']} (deploy, started {marker['started']}) did not "
+            "finish") in again.output, again.output[-6000:]
+    assert "speculation off" in again.output                 # h2's stand-in loses: measured and decided
+    assert record(lab, h2)["decision"] == "baseline"
+    assert "--speculative-algorithm" not in sh(lab, h2, f"cat {UNIT}")
+    assert lab.exec(h2, f"test -e {MARKER}").returncode != 0
+    apply(lab, "deploy.py", "--limit", "h2")
+    assert "did not finish" not in dry_run(lab, "deploy.py", "--limit", "h2").output
