@@ -224,15 +224,26 @@ def test_the_replayed_parser_refuses_a_made_up_flag_a_bad_choice_and_an_ambiguou
         parse_real([])
 
 
-@pytest.mark.parametrize("data, refusal", [
-    ({"service_extra_args": ["--made-up-flag"]}, "unrecognized arguments: --made-up-flag"),
-    ({"service_attention_backend": "flashinfr"}, "--attention-backend: invalid choice: 'flashinfr'"),
-    ({"service_quantization": "nvfp4"}, "--quantization: invalid choice: 'nvfp4'"),
-    ({"service_kv_cache_dtype": "fp16"}, "--kv-cache-dtype: invalid choice: 'fp16'"),
+def test_a_profile_command_line_with_a_made_up_flag_fails_the_check():
+    with pytest.raises(Refused, match=re.escape("unrecognized arguments: --made-up-flag")):
+        parse_real(serving.launch_arguments(profile_settings("glm-5-mtp", service_extra_args=["--made-up-flag"])),
+                   GLM_SGLANG)
+
+
+@pytest.mark.parametrize("key, flag, value", [
+    ("service_attention_backend", "--attention-backend", "flashinfr"),
+    ("service_quantization", "--quantization", "nvfp4"),
+    ("service_kv_cache_dtype", "--kv-cache-dtype", "fp16"),
 ])
-def test_a_profile_command_line_with_a_made_up_flag_or_choice_fails_the_check(data, refusal):
-    with pytest.raises(Refused, match=re.escape(refusal)):
-        parse_real(serving.launch_arguments(profile_settings("glm-5-mtp", **data)), GLM_SGLANG)
+def test_a_choice_the_real_parser_refuses_is_refused_in_host_data_first(key, flag, value):
+    """The real sglang's parser refuses the value at start-up; servestack refuses it before connecting
+    (files/stack.toml [server_choices])."""
+    with pytest.raises(ConfigError, match=re.escape(f"'{key}': expected one of sglang-0.5.14's {flag} choices")):
+        profile_settings("glm-5-mtp", **{key: value})
+    argv = serving.launch_arguments(profile_settings("glm-5-mtp"))
+    argv = [*argv[:argv.index(flag) + 1], value, *argv[argv.index(flag) + 2:]] if flag in argv else [*argv, flag, value]
+    with pytest.raises(Refused, match=re.escape(f"{flag}: invalid choice: '{value}'")):
+        parse_real(argv, GLM_SGLANG)
 
 
 # -- every profile, speculation on and off ---------------------------------------------------------
