@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import weakref
 from typing import Any, Callable
 
@@ -376,7 +377,45 @@ def check_inventory(hosts) -> tuple[dict[str, Settings], list[tuple[int, str]]]:
         problems += [(index, f"{_hosts_label(names)}: {line}") for line in problem.splitlines()]
     problems += beside   # after its manifest's line (the sort below keeps the order of equal indexes)
     problems.sort(key=lambda item: item[0])
-    return settings, problems
+    return settings, _said_once_per_group(problems, hosts)
+
+
+_HOST_KEY_LINE = re.compile(r"host (?P<host>\S+): '(?P<key>[^']+)'(?P<rest>.*)")
+
+
+def data_origin(host, key: str) -> str | None:
+    """The group whose data gave `host` its value of `key` ("all" for the whole inventory's), or None
+    when the value is the host's own (or a --data override). pyinfra's public Inventory API: a host's
+    groups' data applies in order, the last group's value holding (Inventory.get_groups_data)."""
+    inventory = getattr(host, "inventory", None)
+    if inventory is None or key in inventory.get_override_data() or key in inventory.get_host_data(host.name):
+        return None
+    for group in reversed(list(getattr(host, "groups", ()))):
+        if key in inventory.get_group_data(group):
+            return group
+    return "all" if key in inventory.get_data() else None
+
+
+def _said_once_per_group(problems: list[tuple[int, str]], hosts) -> list[tuple[int, str]]:
+    """A problem of a value that group data gave several hosts: one line naming the group's data file and
+    the hosts, instead of one line per host."""
+    by_name = {host.name: host for host in hosts}
+    grouped: dict[tuple[str, str], list[str]] = {}
+    lines: list[tuple[int, str | tuple[str, str]]] = []
+    for index, line in problems:
+        match = _HOST_KEY_LINE.fullmatch(line)
+        group = match and match["host"] in by_name and data_origin(by_name[match["host"]], match["key"])
+        if not match or not group:
+            lines.append((index, line))
+            continue
+        said = (group, f"'{match['key']}'{match['rest']}")
+        if said not in grouped:
+            grouped[said] = []
+            lines.append((index, said))
+        grouped[said].append(match["host"])
+    return [(index, line if isinstance(line, str) else
+             f"group {line[0]} data (group_data/{line[0]}.py or the inventory), {_hosts_label(grouped[line])}: "
+             f"{line[1]}") for index, line in lines]
 
 
 def validate_inventory(inventory) -> dict[str, Settings]:

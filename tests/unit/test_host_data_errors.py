@@ -565,3 +565,21 @@ def test_hosts_sharing_a_broken_manifest_get_it_once_and_each_its_own_problems()
     lines = str(error.value).splitlines()[1:]
     assert lines == ["hosts h1, h2: /nonexistent/stack.toml: manifest file not found",
                      "host h1: 'service_port': expected an integer from 1 to 65535, got 0"], lines
+
+
+# -- a group data problem is said once, naming its file (issue 30 §5) ------------------------------------
+
+def test_a_bad_value_from_group_data_is_one_line_naming_the_group_file_not_one_per_host(tmp_path):
+    (tmp_path / "group_data").mkdir()
+    (tmp_path / "group_data" / "all.py").write_text("service_port = 0\n")
+    (tmp_path / "group_data" / "gpus.py").write_text("service_tp = 3\n")
+    (tmp_path / "inventory.py").write_text(
+        'gpus = ["h1", "h2", ("h3", {"service_tp": 5})]\nothers = [("h4", {"service_port": 30001})]\n')
+    with pytest.raises(ConfigError) as error:
+        validate_inventory(list(load_inventory(str(tmp_path / "inventory.py"))))
+    assert str(error.value).splitlines()[1:] == [
+        "group all data (group_data/all.py or the inventory), hosts h1, h2, h3: 'service_port': expected an "
+        "integer from 1 to 65535, got 0",
+        "group gpus data (group_data/gpus.py or the inventory), hosts h1, h2: 'service_tp': expected a "
+        "tensor-parallel size that divides gpu_count=8, got 3",
+        "host h3: 'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 5"]
