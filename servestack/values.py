@@ -182,7 +182,8 @@ def arguments(value):
 
 
 def env_names(value):
+    """Environment variable names, each once (a name listed twice is one variable)."""
     names = string_list(value)
     if not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name in names):
         raise Invalid("a list of environment variable names like ['HF_TOKEN']")
-    return names
+    return tuple(dict.fromkeys(names))

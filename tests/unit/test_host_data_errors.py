@@ -15,7 +15,7 @@ from servestack.fleet import load_inventory
 from servestack.keys import BENCHMARK_KEYS, host_keys
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.preconnect import validate_targets
-from servestack.settings import settings_from_data, validate_inventory
+from servestack.settings import secret_problems, settings_from_data, validate_inventory
 from servestack.strict_keys import edit_distance, foreign_key_problem
 from servestack.targets import is_this_machine
 from servestack.values import Invalid
@@ -583,3 +583,12 @@ def test_a_bad_value_from_group_data_is_one_line_naming_the_group_file_not_one_p
         "group gpus data (group_data/gpus.py or the inventory), hosts h1, h2: 'service_tp': expected a "
         "tensor-parallel size that divides gpu_count=8, got 3",
         "host h3: 'service_tp': expected a tensor-parallel size that divides gpu_count=8, got 5"]
+
+
+def test_a_secret_named_twice_is_one_variable_and_one_line():
+    """Issue 32 §6: a name listed twice in service_secret_env gave two identical lines."""
+    data = {"service_secret_env": ["HF_TOKEN", "HF_TOKEN"]}
+    assert secret_problems("h1", data, environ={}) == [
+        "host h1: 'service_secret_env': HF_TOKEN is not set in the control machine's environment (export it "
+        "before the run)"]
+    assert settings_from_data("h1", data).service_secret_env == ("HF_TOKEN",)
