@@ -66,9 +66,10 @@ def test_a_converged_host_is_read_in_a_handful_of_commands(lab):
         reads = [index for index, text in enumerate(sent) if f"echo '{BEGIN}{section_name(0)}'" in text]  # batches
         assert len(take) == 1 and len(reads) == 2 and reads[0] < take[0] < reads[1], (take, reads)
         # under -y pyinfra runs no operation while it prepares: that read is what the deploy decides
-        # from (preflight, the release plan); the operations' own reads (the unit's state) come at execute
-        unit_state = "systemctl show --property=LoadState"
-        assert unit_state not in sent[reads[0]] and unit_state in sent[reads[1]]
+        # from (preflight, which also judges whether systemd runs the host, and the release plan); the
+        # operations' own reads (the secrets file's hash) come at execute
+        unit_state, secrets = "systemctl show --property=LoadState", "/etc/servestack/sglang.service.env"
+        assert unit_state in sent[reads[0]] and secrets not in sent[reads[0]] and secrets in sent[reads[1]]
         # under the lock the lock is not read again: the take said this run holds it
         lock_read = "lock.sh read /var/lib/servestack"
         assert lock_read in sent[reads[0]] and lock_read not in sent[reads[1]]
