@@ -17,6 +17,7 @@ from typing import Iterable
 from facts.batch import FactRequest
 from facts.venv import MlEnvBackups, MlEnvState
 from operations.venv import mlenv_fact_arguments
+from servestack.errors import EXIT_OK, EXIT_UNREACHABLE
 from servestack.verify import Unreachable, read_all, targets_from_inventory
 
 
@@ -80,7 +81,7 @@ def format_backups(results: dict[str, list | str]) -> str:
 def backups_main(inventory_path: str, limit: Iterable[str] | None = None) -> int:
     results = collect(inventory_path, limit)
     print(format_backups(results))
-    return 1 if any(isinstance(value, str) for value in results.values()) else 0
+    return EXIT_UNREACHABLE if any(isinstance(value, str) for value in results.values()) else EXIT_OK
 
 
 if __name__ == "__main__":

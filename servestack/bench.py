@@ -30,7 +30,7 @@ from typing import Iterable
 
 from facts.batch import FactRequest
 from facts.service import ServiceRecord
-from servestack.errors import ConfigError
+from servestack.errors import ConfigError, exit_status
 from servestack.manifest import PROJECT_ROOT
 from servestack.paths import speculation_record_path
 from servestack.speculation_policy import BASELINE, CONFIGURATIONS, SPECULATION, crossover, decide, gain_of, means
@@ -282,7 +282,8 @@ def pyinfra_argv(inventory: str, limit: Iterable[str] | None, options: dict) -> 
 def bench_main(inventory: str, limit: Iterable[str] | None = None, runs: int | None = None,
                concurrency: str | None = None, json_path: str | None = None, plot_path: str | None = None) -> int:
     """Benchmark every host (pyinfra, `operations.speculation.bench_now`), then report from the hosts'
-    records; 0 when every host was measured."""
+    records; 0 when every host was measured, 1 when one was not, 3 when a host could not be read
+    (servestack/errors.py). The CLI checks the output paths before anything runs."""
     levels = parse_levels(concurrency)
     if runs is not None and runs < 1:
         raise ConfigError(f"--runs {runs}: expected at least 1")
@@ -305,4 +306,6 @@ def bench_main(inventory: str, limit: Iterable[str] | None = None, runs: int | N
         Path(json_path).write_text(render_json(reports, request) + "\n")
     if plot_path and any(report["measured"] for report in reports.values()):
         plot(reports, plot_path)
-    return 0 if status == 0 and all(report["measured"] for report in reports.values()) else 1
+    unread = {name for name, value in found.items() if isinstance(value, Unreachable)}
+    failed = any(not report["measured"] for name, report in reports.items() if name not in unread)
+    return exit_status(failed or (status != 0 and not unread), bool(unread))

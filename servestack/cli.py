@@ -9,8 +9,13 @@
                                                     configuration its service_speculation policy chooses
     servestack keys [--manifest FILE]               every host-data key, its default and meaning
 
-A broken manifest or inventory ends the command with exit status 2 and one line per problem naming
-the file and the key (or line), never a traceback.
+Exit status, the same for every command (servestack/errors.py):
+  0    all good
+  1    a check failed, or a host failed
+  2    bad input (inventory, host data, options, output paths): one line per problem naming the host,
+       the key or file and what was expected, never a traceback, before any host is contacted
+  3    a host could not be reached (and no check failed on a host that was)
+  130  interrupted; 143 terminated; 141 the reader of the output went away
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 from pathlib import Path
 from traceback import walk_tb
 
-from servestack.errors import ConfigError
+from servestack.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, ConfigError
 from servestack.fleet import LIMIT_HELP
 
 
@@ -80,7 +85,33 @@ def print_keys(manifest_path: str | None = None) -> int:
     return 0
 
 
+def output_path_problem(option: str, path: str | None) -> str | None:
+    """Why `path` cannot be written (its folder is missing or not writable, or it is a folder), checked
+    before anything runs so that no result is lost at the end; None when it can."""
+    if path is None:
+        return None
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        return f"{option} {path}: is a folder, expected a file to write"
+    if not folder.is_dir():
+        return f"{option} {path}: {folder} " + ("is not a folder" if folder.exists() else "does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return f"{option} {path}: not writable"
+    return None
+
+
+def check_output_paths(args) -> None:
+    """Refuse, before anything runs, output paths the command could not write."""
+    paths = {"bench": [("--json", getattr(args, "json_path", None)), ("--plot", getattr(args, "plot_path", None))],
+             "verify": [("--junit", getattr(args, "junit", None))]}.get(args.command, [])
+    problems = [problem for option, path in paths if (problem := output_path_problem(option, path))]
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 def _fleet_report(args) -> int:
+    check_output_paths(args)
     if args.command == "doctor":
         from servestack.doctor import doctor_main
         return doctor_main(args.inventory, args.limit, args.as_json)
@@ -125,18 +156,28 @@ def _syntax_error_message(error: SyntaxError, filename: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "keys":
-            return print_keys(args.manifest)
-        return _fleet_report(args)
+        status = print_keys(args.manifest) if args.command == "keys" else _fleet_report(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return status
     except ConfigError as error:
-        print(f"servestack: {error}", file=sys.stderr)
-        return 2
+        return _refused(str(error))
+    except KeyboardInterrupt:
+        print("servestack: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (`| head`): nothing more to say to it, and nothing left for Python to flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
     except Exception as error:  # noqa: BLE001 - only a file that fails to load is turned into a line
         message = broken_file_message(error)
         if message is None:
             raise
-        print(f"servestack: {message}", file=sys.stderr)
-        return 2
+        return _refused(message)
+
+
+def _refused(message: str) -> int:
+    print(f"servestack: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@ fact the deploy uses. A rich table per host, or with --json one object with stab
         "install_path": {...}, "runfile": {...}, "disk": {...}, "lock": {...}, "link": {...},
         "kept_toolkits": {...}}}}}
 
-status is "ok", "warn" (reported only), "fail" or "skip". Exit status 0 when no check fails, else 1.
+status is "ok", "warn" (reported only), "fail" or "skip". The settings check fails with exactly the lines
+the deploy would refuse the host with before connecting (servestack/preconnect.py: host data, secrets,
+this machine as a target); connect says why a host could not be reached. Exit status
+(servestack/errors.py): 2 when a host's settings fail, else 1 when a check fails on a host that was
+read, 3 when a host could not be reached, 0 when every host passes.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from operations.preflight import CHECKS, CheckResult, evaluate, read_preflight
-from servestack.errors import ConfigError
+from servestack.errors import EXIT_BAD_INPUT, ConfigError, exit_status
 from servestack.fleet import limited, load_inventory
+from servestack.preconnect import connection_problems, targets_problems
 from servestack.settings import host_settings
-from servestack.targets import target_problem
 from servestack.verify import report_console
 
 REPORT_CHECKS = ("settings", "connect")
@@ -39,22 +43,22 @@ class HostReport:
         return all(check.status != "fail" for check in self.checks)
 
 
-def report_for(name: str, settings, facts, error: str | None, connect_error: str | None = None) -> HostReport:
-    """A host's checks: settings, connect, then the preflight checks (skipped when they cannot run)."""
-    checks = []
-    if settings is None:
-        checks.append(CheckResult("settings", "fail", error or "invalid", (error or "invalid",)))
-    else:
-        checks.append(CheckResult("settings", "fail", error, (error,)) if error
-                      else CheckResult("settings", "ok", "valid"))
-    if settings is None or error:
+def report_for(name: str, settings, facts, refusals: Iterable[str] | None = (),
+               connect_error: str | None = None) -> HostReport:
+    """A host's checks: settings (the lines the deploy would refuse it with), connect, then the
+    preflight checks (skipped when they cannot run)."""
+    refusals = tuple(refusals or ())
+    refused = settings is None or bool(refusals)
+    checks = [CheckResult("settings", "fail", "\n".join(refusals) or "invalid", refusals or ("invalid",))
+              if refused else CheckResult("settings", "ok", "valid")]
+    if refused:
         checks.append(CheckResult("connect", "skip", "not attempted"))
     elif connect_error or facts is None:
         problem = connect_error or "connected, but could not read the host (sudo?)"
         checks.append(CheckResult("connect", "fail", problem, (problem,)))
     else:
         checks.append(CheckResult("connect", "ok", "connected"))
-    if settings is None or error or facts is None:
+    if refused or facts is None:
         return HostReport(name, checks + [CheckResult(name_, "skip", "host not checked") for name_ in CHECKS])
     return HostReport(name, checks + evaluate(settings, facts))
 
@@ -94,39 +98,42 @@ def _load(inventory_path: str, limit: Iterable[str] | None):
 
     inventory = load_inventory(inventory_path)
     hosts = limited(inventory, limit or ())
+    # pyinfra sets up every host's connector in State.init, and stops at the first bad value, naming no host
+    unusable = [line for host in inventory for line in connection_problems(host)]
+    if unusable:
+        raise ConfigError(f"{inventory_path}: cannot check the hosts:\n" + "\n".join(unusable))
     state = State()
     state.init(inventory, Config(), initial_limit=hosts)
     return state, hosts
 
 
-def _check_host(state, host) -> HostReport:
-    from pyinfra.api.exceptions import PyinfraError
+def _check_host(state, host, refusals: list[str]) -> HostReport:
+    from pyinfra.api.exceptions import ConnectError, PyinfraError
     from pyinfra.context import ctx_host, ctx_state
 
-    try:
-        settings = host_settings(host)
-    except ConfigError as error:
-        return report_for(host.name, None, None, str(error))
-    problem = target_problem(host)
-    if problem:
-        return report_for(host.name, settings, None, f"not checked: {problem}")
+    if refusals:
+        return report_for(host.name, None, None, refusals)
+    settings = host_settings(host)
     with ctx_state.use(state), ctx_host.use(host):
-        host.connect(show_errors=False)
-        if not host.connected:
-            return report_for(host.name, settings, None, None, "cannot connect")
+        try:
+            host.connect(show_errors=False, raise_exceptions=True)
+        except ConnectError as error:
+            return report_for(host.name, settings, None, (), f"cannot connect: {error}")
         state.activate_host(host)
         try:
             facts = read_preflight(host, settings)
         except PyinfraError as error:
-            return report_for(host.name, settings, None, None, f"cannot read the host: {error}")
-    return report_for(host.name, settings, facts, None)
+            return report_for(host.name, settings, None, (), f"cannot read the host: {error}")
+    return report_for(host.name, settings, facts)
 
 
-def collect(state, hosts) -> dict[str, HostReport]:
-    """Every host's report, read in parallel; nothing is changed on any host."""
+def collect(state, hosts, environ=None) -> dict[str, HostReport]:
+    """Every host's report, read in parallel; nothing is changed on any host. A host the deploy would
+    refuse before connecting (servestack/preconnect.py, the same lines) is not contacted."""
     import gevent
 
-    greenlets = {host.name: state.pool.spawn(_check_host, state, host) for host in hosts}
+    refusals = {host.name: targets_problems([host], environ) for host in hosts}
+    greenlets = {host.name: state.pool.spawn(_check_host, state, host, refusals[host.name]) for host in hosts}
     gevent.joinall(list(greenlets.values()))
     reports = {name: greenlet.get() for name, greenlet in greenlets.items()}
     for host in hosts:
@@ -135,12 +142,25 @@ def collect(state, hosts) -> dict[str, HostReport]:
     return reports
 
 
+def doctor_status(reports: dict[str, HostReport]) -> int:
+    """The contract's exit status (servestack/errors.py): 2 when the deploy would refuse a host's data,
+    else 1 when a check failed, 3 when a host could not be reached, 0 when every host passes."""
+    def failed(report: HostReport, name: str) -> bool:
+        return any(check.name == name and check.status == "fail" for check in report.checks)
+
+    if any(failed(report, "settings") for report in reports.values()):
+        return EXIT_BAD_INPUT
+    unreachable = {name for name, report in reports.items() if failed(report, "connect")}
+    return exit_status(any(not report.ok for name, report in reports.items() if name not in unreachable),
+                       bool(unreachable))
+
+
 def doctor_main(inventory_path: str, limit: Iterable[str] | None = None, as_json: bool = False) -> int:
-    """Print the preflight report of the inventory's hosts; 0 when every host passes, else 1."""
+    """Print the preflight report of the inventory's hosts, with the contract's exit status."""
     state, hosts = _load(inventory_path, limit)
     reports = collect(state, hosts)
     if as_json:
         print(render_json(reports))
     else:
         render_table(reports)
-    return 0 if all(report.ok for report in reports.values()) else 1
+    return doctor_status(reports)

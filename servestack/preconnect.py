@@ -11,6 +11,10 @@ a `rollout_batch` that differs between the targeted hosts (pyinfra runs an opera
 
 import os
 from pathlib import Path
+from typing import get_type_hints
+
+from pyinfra.api.exceptions import ConnectorDataTypeError
+from pyinfra.api.util import raise_if_bad_type
 
 from servestack.errors import ConfigError
 from servestack.fleet import limit_problems
@@ -19,9 +23,46 @@ from servestack.settings import check_inventory, secret_problems
 from servestack.targets import REFUSAL, target_problems
 
 
+PASSWORD_REFUSAL = ("'ssh_password': servestack's reports (status, verify, backups, bench) reach hosts with OpenSSH "
+                    "in batch mode, which cannot use a password: give the host an ssh_key (and remove ssh_password)")
+
+
+def connection_problems(host) -> list[str]:
+    """What in the host's connection data no command can use: a value of a key of its pyinfra connector
+    of the wrong type (pyinfra's own check, which the deploy meets when it sets up the connection:
+    `ssh_port: "9"` is no int there either), and `ssh_password`, which servestack's reports cannot use."""
+    data = host.data.dict()
+    connector = getattr(host, "connector_cls", None)  # None: a stand-in for a host, without one
+    hints = get_type_hints(connector.data_cls) if connector is not None else {}
+    problems = []
+    for key, expected in hints.items():
+        if key in data:
+            try:
+                raise_if_bad_type(data[key], expected, ConnectorDataTypeError, key)
+            except ConnectorDataTypeError:
+                problems.append(f"host {host.name}: '{key}': pyinfra's {getattr(connector, '__name__', '')} expects "
+                                f"{_type_name(expected)}, got {data[key]!r}")
+    if data.get("ssh_password"):
+        problems.append(f"host {host.name}: {PASSWORD_REFUSAL}")
+    return problems
+
+
+def _type_name(expected) -> str:
+    return getattr(expected, "__name__", None) or str(expected)
+
+
+def inventory_problems(hosts) -> tuple[dict, list[tuple[int, str]]]:
+    """The one validation of an inventory's host data, for the deploy and every servestack command: the
+    valid hosts' settings, and one (host index, line) per problem, in inventory order."""
+    settings, problems = check_inventory(hosts)
+    problems += [(index, line) for index, host in enumerate(hosts) for line in connection_problems(host)]
+    problems.sort(key=lambda item: item[0])
+    return settings, problems
+
+
 def targets_problems(hosts, environ=None) -> list[str]:
     """Every line `validate_targets` refuses `hosts` with, in inventory order (none: they may run)."""
-    settings, problems = check_inventory(hosts)
+    settings, problems = inventory_problems(hosts)
     for index, host in enumerate(hosts):
         problems += [(index, line) for line in secret_problems(host.name, host.data.dict(), environ)]
     problems += target_problems(hosts)
@@ -63,6 +104,14 @@ def validate_targets(state, environ=None) -> None:
         raise ConfigError(f"{REFUSAL}\nno host to run on: the --limit and --exclude given leave none of the "
                           f"inventory's hosts ({names})")
     problems = targets_problems(hosts, environ)
+    if problems:
+        raise ConfigError(REFUSAL + "\n" + "\n".join(problems))
+
+
+def validate_connection_data(inventory) -> None:
+    """Refuse, naming each host and key, the connection data pyinfra's State.init would stop at with an
+    error naming neither (`Invalid connector data `ssh_port``): to be called before State.init."""
+    problems = [line for host in inventory for line in connection_problems(host)]
     if problems:
         raise ConfigError(REFUSAL + "\n" + "\n".join(problems))
 

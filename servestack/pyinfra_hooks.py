@@ -69,12 +69,15 @@ def enable_tcp_nodelay() -> None:
     setattr(SSHConnector, "_connect", _connect)
 
 
-def validate_after_inventory_load(state, validate) -> None:
+def validate_after_inventory_load(state, validate, before_init=None) -> None:
     """Call `validate(state)` as soon as pyinfra's CLI has initialised `state` with the inventory,
-    right before it connects (the bound `state.init` is wrapped on this one object)."""
+    right before it connects (the bound `state.init` is wrapped on this one object); `before_init(inventory)`,
+    when given, runs first: State.init sets up each host's connector and stops at the first bad value."""
     original_init = state.init
 
     def init_then_validate(inventory, config, **kwargs):
+        if before_init is not None:
+            before_init(inventory)
         original_init(inventory, config, **kwargs)
         validate(state)
 

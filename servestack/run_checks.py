@@ -23,7 +23,7 @@ from pyinfra_cli.exceptions import CliError
 from servestack import runreport
 from servestack.errors import ConfigError
 from servestack.manifest import PROJECT_ROOT
-from servestack.preconnect import inventory_file_problem, validate_targets
+from servestack.preconnect import inventory_file_problem, validate_connection_data, validate_targets
 from servestack.pyinfra_hooks import cli_argument, enable_tcp_nodelay, validate_after_inventory_load
 
 _CHECKED: "WeakSet" = WeakSet()   # the States whose run was checked
@@ -43,6 +43,14 @@ def check_run(state) -> None:
     _CHECKED.add(state)
 
 
+def _inventory_read(inventory) -> None:
+    """Before pyinfra sets up the hosts' connections: connection data it would stop at naming no host."""
+    try:
+        validate_connection_data(inventory)
+    except ConfigError as error:
+        raise CliError(str(error)) from None
+
+
 def _inventory_loaded(state) -> None:
     """A refusal is shown as the CLI's own errors are (`--> pyinfra error: ...`), not as an error
     raised at a line of servestack's code."""
@@ -58,7 +66,7 @@ def before_connecting(state) -> None:
     if missing_inventory:   # shown as the CLI shows its own errors: an error raised here would name this line
         CliError(missing_inventory).show()
         sys.exit(1)
-    validate_after_inventory_load(state, _inventory_loaded)
+    validate_after_inventory_load(state, _inventory_loaded, before_init=_inventory_read)
     enable_tcp_nodelay()
 
 

@@ -36,7 +36,7 @@ data, sudo, @local, @chroot) and read in one remote command each, in parallel. A
                                 "for_active_release", "simulated"}}}}
 
 Times are UTC, ISO 8601; ages are seconds, taken on the host's own clock. Exit status 0 when every
-host was read, else 1.
+host was read, else 3 (servestack/errors.py).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from facts.verify import VerificationRecord
 from operations.venv import mlenv_fact_arguments
 from servestack import bench
 from servestack.checks.parse import report
+from servestack.errors import EXIT_OK, EXIT_UNREACHABLE
 from servestack.checks.readings import requests as check_requests
 from servestack.hostrun import parse_stamp
 from servestack.paths import speculation_record_path, verification_record_path
@@ -427,10 +428,10 @@ def render_table(statuses: dict[str, dict], console) -> None:
 
 
 def status_main(inventory_path: str, limit: Iterable[str] | None = None, as_json: bool = False) -> int:
-    """Print every host's status; 0 when every host was read, else 1."""
+    """Print every host's status; 0 when every host was read, else 3 (servestack/errors.py)."""
     statuses = collect(inventory_path, limit)
     if as_json:
         print(render_json(statuses))
     else:
         render_table(statuses, report_console())
-    return 0 if all(status["reachable"] for status in statuses.values()) else 1
+    return EXIT_OK if all(status["reachable"] for status in statuses.values()) else EXIT_UNREACHABLE

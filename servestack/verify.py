@@ -40,9 +40,10 @@ from typing import Any, Callable, Iterable
 from servestack.checks.catalogue import CHECKS, CHECKS_BY_NAME, base_name
 from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
 from servestack.checks.readings import NEEDS, Readings, in_order, read_batch, read_groups
-from servestack.errors import ConfigError
+from servestack.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, ConfigError
 from servestack.fleet import limited, load_inventory
 from servestack.manifest import PROJECT_ROOT
+from servestack.preconnect import inventory_problems
 from servestack.settings import Settings, settings_from_data
 from servestack.targets import PLACEHOLDER_SUFFIX, target_problem
 from servestack.pyinfra_hooks import import_pyinfra_cli
@@ -173,6 +174,9 @@ class Unreachable(RuntimeError):
     """A host's checks could not read it (SSH failed, no sh, ...)."""
 
 
+UNREACHABLE = "cannot run the probes on"  # how an Unreachable's message begins
+
+
 class Target:
     """One host under verification: its expectations (`settings`), its testinfra host, and what
     its checks read of it (servestack/checks/readings.py), each group read once."""
@@ -236,7 +240,7 @@ class Target:
             try:
                 yield
             except Exception as error:
-                self._unreachable = f"cannot run the probes on {self.name} ({self.backend}): {error}"
+                self._unreachable = f"{UNREACHABLE} {self.name} ({self.backend}): {error}"
                 raise Unreachable(self._unreachable) from None
 
     def _read_missing(self, groups) -> None:
@@ -281,8 +285,12 @@ def targets_from_inventory(path: str | Path, limit: Iterable[str] | None = None,
     `local=False` also refuses the hosts servestack does not target unless told to (this machine,
     servestack/targets.py); placeholders of the example inventory are always refused."""
     hosts = limited(load_inventory(path, override_data), limit or ())
-    problems, targets = [], []
+    settings, found = inventory_problems(hosts)
+    problems, targets = [line for _index, line in found], []
+    refused = {hosts[index].name for index, _line in found if index < len(hosts)}
     for host in hosts:
+        if host.name in refused or host.name not in settings:
+            continue
         address = str(host.data.get("ssh_hostname") or host.name)
         if address.endswith(PLACEHOLDER_SUFFIX):
             problems.append(f"host {host.name}: '{address}' is a placeholder from the example inventory: "
@@ -293,8 +301,7 @@ def targets_from_inventory(path: str | Path, limit: Iterable[str] | None = None,
             continue
         try:
             backend = backend_for(host)
-            targets.append(Target(host.name, _settings(host.name, host.data.dict()), backend.connect,
-                                  backend.describe()))
+            targets.append(Target(host.name, settings[host.name], backend.connect, backend.describe()))
         except ConfigError as error:
             problems.append(str(error))
     if problems:
@@ -378,6 +385,11 @@ class Results:
         row = self.cells.setdefault(check, {})
         if row.get(host, ("",))[0] != FAILED:  # a teardown report never hides a failure
             row[host] = (status, detail)
+
+    def unreachable_only(self) -> bool:
+        """Whether every failure is a host that could not be read (no check failed on a host that was)."""
+        failures = [detail for row in self.cells.values() for status, detail in row.values() if status == FAILED]
+        return bool(failures) and all(detail.startswith(UNREACHABLE) for detail in failures)
 
     def counts(self) -> dict[str, int]:
         totals = {PASSED: 0, FAILED: 0, SKIPPED: 0}
@@ -467,12 +479,15 @@ def verify_main(inventory: str, limit: Iterable[str] | None = None, junit: str |
                 extra_args: Iterable[str] = ()) -> int:
     """`servestack verify`: run tests/verify against the inventory, print the per-host table.
 
-    Returns pytest's exit status (0: every check passed or was skipped with its reason).
+    Returns the contract's exit status (servestack/errors.py): 0 every check passed or was skipped
+    with its reason, 1 a check failed, 3 only hosts that could not be read failed; bad input is
+    refused here, before pytest runs (ConfigError).
     """
     import pytest
 
     limit = list(limit or ())
-    limited(load_inventory(inventory), limit)  # bad input fails here, with servestack's message
+    if not targets_from_inventory(inventory, limit):  # bad input fails here, with servestack's message
+        raise ConfigError(f"{inventory}: cannot verify: the inventory has no hosts")
     args = [str(VERIFY_TESTS), "--inventory", str(inventory), "-q", "--tb=no", "-rN", "-p", "no:cacheprovider",
             "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     args += [f"--limit={pattern}" for pattern in limit]
@@ -481,4 +496,14 @@ def verify_main(inventory: str, limit: Iterable[str] | None = None, junit: str |
     collector = ResultsCollector()
     status = pytest.main(args + list(extra_args), plugins=[collector])
     render(collector.results, report_console())
-    return int(status)
+    return contract_status(int(status), collector.results)
+
+
+def contract_status(pytest_status: int, results: Results) -> int:
+    """pytest's exit status (pytest.ExitCode) as the contract's (servestack/errors.py): its internal error
+    (3, a bug, shown by pytest) is a failed run, not the contract's 3 (unreachable)."""
+    if pytest_status == 0:
+        return EXIT_OK
+    if pytest_status == 1:  # TESTS_FAILED
+        return EXIT_UNREACHABLE if results.unreachable_only() else EXIT_FAILED
+    return {2: EXIT_INTERRUPTED, 4: EXIT_BAD_INPUT}.get(pytest_status, EXIT_FAILED)

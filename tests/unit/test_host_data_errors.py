@@ -331,6 +331,19 @@ def test_an_inventory_file_that_does_not_exist_is_refused_before_pyinfra_reads_t
         assert "Loading inventory" not in output and "internal exception" not in output
 
 
+def test_connection_data_pyinfra_would_stop_at_naming_no_host_is_refused_naming_the_host(tmp_path):
+    """pyinfra's State.init stops at the first bad connector value with `Invalid connector data`, naming
+    neither host nor file, and before the inventory's other checks: the deploy names host, key and type."""
+    inventory = tmp_path / "inventory.py"
+    inventory.write_text('hosts = [("gpu-a", {"ssh_hostname": "127.0.0.1", "servestack_allow_local": True, '
+                         '"ssh_port": "nine"})]\n')
+    output, returncode = _pyinfra(inventory, "deploy.py", "--dry")
+    assert returncode == 1, output
+    assert "--> pyinfra error: refusing to run (nothing was changed on any host):" in output
+    assert "host gpu-a: 'ssh_port': pyinfra's SSHConnector expects int, got 'nine'" in output
+    assert "Invalid connector data" not in output and "Connecting to hosts" not in output
+
+
 def test_an_inventory_without_hosts_is_refused():
     with pytest.raises(ConfigError, match="no host to run on: the inventory has no hosts"):
         validate_targets(FakeState([]), environ={})

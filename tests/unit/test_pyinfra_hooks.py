@@ -222,6 +222,22 @@ def test_a_validation_that_raises_stops_state_init():
         state.init(Inventory((["@fake/a"], {})), Config())
 
 
+def test_a_check_before_init_runs_before_pyinfra_sets_up_the_connectors():
+    """State.init sets up each host's connector and stops at the first bad value naming no host: the
+    check that names the host has to come first."""
+    seen = []
+
+    def before_init(inventory):
+        seen.append(("before", len(inventory), state.initialised))
+        raise ValueError("host a: bad ssh_port")
+
+    state = State()
+    pyinfra_hooks.validate_after_inventory_load(state, seen.append, before_init=before_init)
+    with pytest.raises(ValueError, match="host a: bad ssh_port"):
+        state.init(Inventory((["@fake/a"], {})), Config())
+    assert seen == [("before", 1, False)]
+
+
 # --- 3. the deploy file as a module: inspect's file -> module lookup --------------------------------
 
 

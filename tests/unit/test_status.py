@@ -244,7 +244,7 @@ def test_the_cli_has_status_with_json_and_limit():
 def test_status_main_prints_json_and_fails_when_a_host_cannot_be_read(monkeypatch, capsys, settings):
     statuses = {"h1": host_status(settings, readings()), "h2": status.unreachable_status("no route")}
     monkeypatch.setattr(status, "collect", lambda path, limit: statuses)
-    assert status.status_main("inv.py", None, as_json=True) == 1
+    assert status.status_main("inv.py", None, as_json=True) == 3
     assert json.loads(capsys.readouterr().out) == {"hosts": statuses}
     monkeypatch.setattr(status, "collect", lambda path, limit: {"h1": statuses["h1"]})
     assert status.status_main("inv.py") == 0
