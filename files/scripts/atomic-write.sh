@@ -7,6 +7,9 @@
 # Exit: 0 written; non-zero with the reason on stderr (PATH untouched).
 set -u
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='atomic-write.sh PATH MODE [SOURCE]  (CONTENT in the environment, without SOURCE)'
+need_arguments 2 "$@"
+(( $# >= 3 )) || need_env CONTENT
 path=$1 mode=$2
 mkdir -p -m 755 -- "$(dirname -- "$path")" || exit 1
 if [ $# -ge 3 ]; then

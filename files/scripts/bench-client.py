@@ -210,7 +210,7 @@ def measure(params):
 
 def main(argv):
     if len(argv) != 2:
-        print("servestack: usage: bench-client.py PARAMS (base64 JSON)", file=sys.stderr)
+        print("usage: bench-client.py PARAMS  (base64 JSON)", file=sys.stderr)
         return 2
     params = json.loads(base64.b64decode(argv[1]))
     try:

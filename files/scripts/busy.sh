@@ -11,9 +11,11 @@
 # Exit: COMMAND's exit status (killed by a signal, 129-159: first saying so on stderr,
 # "servestack: STEP was killed on the host by signal N", since a killed process says nothing); 75
 # printing `busy <activity json>` on stderr when another process holds lock.busy; 1 when flock is missing.
-state=${1%/}; run=$2; step=$3; shift 3
 trap '' HUP PIPE   # from the start: the run's connection may go any time now
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='busy.sh STATE_DIR RUN_ID STEP COMMAND...'
+need_arguments 4 "$@"
+state=${1%/}; run=$2; step=$3; shift 3
 require flock util-linux
 mkdir -p -m 755 "$state" || exit 1
 exec 8>>"$state/lock.busy"

@@ -79,6 +79,9 @@ def import_problems(modules):
 
 
 def main(argv):
+    if len(argv) != 2:
+        sys.stderr.write("usage: check_release.py EXPECT_JSON  (run by the release's python)\n")
+        return 2
     expect = json.loads(argv[1])
     problems = version_problems(expect["packages"], "expected")
     problems += version_problems(expect.get("lock", {}), "the lock has")

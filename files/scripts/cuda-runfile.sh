@@ -105,9 +105,10 @@ reject() {
     message "$path failed verification ($reason): moved aside to $path.rejected-$ts, never used"
 }
 
+USAGE='cuda-runfile.sh download PART | verify PATH [DEST] | reject PATH REASON'
 case ${1:-} in
-    download) download "$2" ;;
-    verify) verify "$2" "${3:-}" ;;
-    reject) reject "$2" "$3" ;;
-    *) message "cuda-runfile.sh: unknown command '${1:-}'"; exit 2 ;;
+    download) need_arguments 2 "$@"; need_env SS_RUNFILE_URL SS_RUNFILE_SIZE; download "$2" ;;
+    verify) need_arguments 2 "$@"; need_env SS_RUNFILE_SIZE SS_RUNFILE_MD5 SS_RUNFILE_SHA256; verify "$2" "${3:-}" ;;
+    reject) need_arguments 3 "$@"; reject "$2" "$3" ;;
+    *) usage "unknown command '${1:-}'" ;;
 esac

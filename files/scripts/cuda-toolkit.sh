@@ -20,9 +20,9 @@
 #                      run added to SS_INSTALLER_LOG). When that log (or the installer's output) shows its
 #                      compiler check refused the host's gcc ("unsupported compiler"), the first line says
 #                      so, followed by SS_COMPILER_HINT (what to do about it: the host-data key that passes --override).
-#                      Environment: SS_RUNFILE SS_INSTALL_PATH SS_TMP_DIR SS_STATE_DIR SS_BUSY_FILE SS_MARKER_FILE SS_MARKER
+#                      Environment: SS_RUNFILE SS_INSTALL_PATH SS_TMP_DIR SS_STATE_DIR SS_MARKER_FILE SS_MARKER
 #                      SS_CUDA_VERSION SS_NVCC_RELEASE SS_NVCC_VERSION SS_INSTALLER_LOG SS_INSTALLER_TMP_LOG
-#                      SS_LOG_TAIL_LINES [SS_COMPILER_HINT SS_LINK_PATH SS_LINK_KIND SS_LINK_HOPS].
+#                      SS_LOG_TAIL_LINES [SS_BUSY_FILE SS_COMPILER_HINT SS_LINK_PATH SS_LINK_KIND SS_LINK_HOPS].
 #                      Exit 0 installed (prints "installed CUDA ... into ..."); 1 with the reason on stderr.
 #   restore-link       puts the recorded link chain back: SS_LINK_PATH, SS_LINK_KIND ("absent" removes a
 #                      symlink SS_LINK_PATH that an installer created) and SS_LINK_HOPS (one "LINK<tab>TARGET"
@@ -147,12 +147,15 @@ move_aside() {   # PATH MARKER
         message "moved the interrupted install aside to $1.failed-$ts"
 }
 
+USAGE='cuda-toolkit.sh install FLAG... | restore-link | point-link LINK TARGET | move-aside PATH MARKER'
 command=${1:-}
 shift || true
 case $command in
-    install) install_toolkit "$@" ;;
-    restore-link) restore_link ;;
-    point-link) point_link "$1" "$2" ;;
-    move-aside) move_aside "$1" "$2" ;;
-    *) message "cuda-toolkit.sh: unknown command '$command'"; exit 2 ;;
+    install) need_env SS_RUNFILE SS_INSTALL_PATH SS_TMP_DIR SS_STATE_DIR SS_MARKER_FILE SS_MARKER \
+                 SS_CUDA_VERSION SS_NVCC_RELEASE SS_NVCC_VERSION SS_INSTALLER_LOG SS_INSTALLER_TMP_LOG SS_LOG_TAIL_LINES
+             install_toolkit "$@" ;;
+    restore-link) need_env SS_LINK_PATH SS_LINK_KIND; restore_link ;;
+    point-link) need_arguments 2 "$@"; point_link "$1" "$2" ;;
+    move-aside) need_arguments 2 "$@"; move_aside "$1" "$2" ;;
+    *) usage "unknown command '$command'" ;;
 esac

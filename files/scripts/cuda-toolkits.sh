@@ -1,5 +1,4 @@
-# cuda-toolkits.sh state INSTALL_PATH LINK_PATH STATE_DIR [KEEP_PATH...] -- [FILE...]
-# cuda-toolkits.sh fingerprint PATH
+# cuda-toolkits.sh state INSTALL_PATH LINK_PATH STATE_DIR [KEEP_PATH...] -- [FILE...] | fingerprint PATH
 #
 # What facts/toolkit.py reads of a host's CUDA toolkits. Reads only. `state` runs on every
 # converge, twice (CudaToolkits, at prepare and at execute) and `fingerprint` once per kept
@@ -155,9 +154,10 @@ first_time_line() {
     entries=$low
 }
 
+USAGE='cuda-toolkits.sh state INSTALL_PATH LINK_PATH STATE_DIR [KEEP_PATH...] -- [FILE...] | fingerprint PATH'
 case ${1:-} in
-state) shift; state "$@" ;;
-fingerprint) fingerprint "$2" ;;
-*) message "cuda-toolkits.sh: unknown action '${1:-}' (state, fingerprint)"; exit 2 ;;
+state) need_arguments 4 "$@"; shift; state "$@" ;;
+fingerprint) need_arguments 2 "$@"; fingerprint "$2" ;;
+*) usage "unknown action '${1:-}'" ;;
 esac
 exit 0

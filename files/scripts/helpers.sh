@@ -13,6 +13,16 @@
 progress() { echo "servestack: $*"; }
 message() { echo "servestack: $*" >&2; }
 
+# Exit 2 with `usage: $USAGE` on stderr, and what was wrong ($1): the script was called without its inputs.
+# Every script sets USAGE (its first comment line) right after it sources this file.
+usage() { echo "usage: $USAGE${1:+ ($1)}" >&2; exit 2; }
+
+# usage unless at least MIN arguments follow: `need_arguments MIN "$@"`
+need_arguments() { (( $# > $1 )) || usage "missing arguments"; }
+
+# usage unless every variable named is set in the environment: `need_env NAME...`
+need_env() { local name; for name; do [[ -v $name ]] || usage "$name is not set in the environment"; done; }
+
 # Exit 1, saying so, unless the program $1 (from the package $2) is on PATH
 require() {
     command -v "$1" >/dev/null 2>&1 || { message "'$1' ($2) is needed on the host"; exit 1; }

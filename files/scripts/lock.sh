@@ -22,10 +22,16 @@
 #   release RUN_ID               removes the lock if RUN_ID holds it: prints `released` or `not-ours`.
 #
 # Shell builtins only, but for flock and mv: this runs on every converge of every host.
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='lock.sh read|take|release STATE_DIR [RUN_ID CONTROLLER STARTED]'
+case ${1:-} in
+    read) need_arguments 2 "$@" ;;
+    take) need_arguments 5 "$@" ;;
+    release) need_arguments 3 "$@" ;;
+    *) usage "unknown action '${1:-}'" ;;
+esac
 state=${2%/}
 lock=$state/lock
-
-source "${BASH_SOURCE[0]%/*}/helpers.sh"
 
 # The helpers set variables instead of printing: `$(...)` of a function is a fork, and this runs on
 # every converge of every host.
@@ -108,6 +114,4 @@ release)
     field run_id "$lock"
     if [ -f "$lock" ] && [ "$value" = "$run" ]; then rm -f "$lock" && echo released; else echo not-ours; fi
     ;;
-*)
-    message "lock.sh: unknown action '$1' (read, take, release)"; exit 2 ;;
 esac

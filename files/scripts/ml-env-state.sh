@@ -22,10 +22,13 @@
 #   history        STATE_DIR/releases.json on one line (nothing when absent)
 #   backups        the snapshots' file names in STATE_DIR/backups (<UTC stamp>[-N].json), sorted
 #   latest_backup  the last of them, on one line (no section when there is none)
-# Exit: 0.
+# Exit: 0; 2 without its four arguments (a usage line on stderr).
 set -u
 export LC_ALL=C    # globs sort bytewise, as Python's sorted() does
 
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='ml-env-state.sh PYTHON VENV_PATH RELEASES_DIR STATE_DIR'
+need_arguments 4 "$@"
 PYTHON=$1 VENV_PATH=$2 RELEASES_DIR=$3 STATE_DIR=$4
 RELEASE_NAME='^(r-[0-9a-f]{12}|adopted-[0-9]{8}T[0-9]{6}Z)$'
 BACKUP_NAME='^[0-9]{8}T[0-9]{6}Z(-[0-9]+)?\.json$'
@@ -33,8 +36,6 @@ BACKUP_NAME='^[0-9]{8}T[0-9]{6}Z(-[0-9]+)?\.json$'
 command -v "$PYTHON" >/dev/null 2>&1 || exit 0
 
 python_identity() { "$PYTHON" -V 2>&1; command -v "$PYTHON"; }
-
-source "${BASH_SOURCE[0]%/*}/helpers.sh"
 
 # A JSON file's text on one line (its line breaks are only whitespace between JSON tokens).
 # Nothing when it is not a file.

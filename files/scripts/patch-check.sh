@@ -11,6 +11,10 @@
 #   package, record path) asks, which prints one JSON object.
 # Exit: 0, or the python check's exit status (non-zero with the reason on stderr).
 set -u
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='patch-check.sh SETS REQUEST  (PYTHON, RECORD, SUMS, HEADERS, HOLD, ABSENT in the environment)'
+need_arguments 2 "$@"
+need_env PYTHON RECORD SUMS HEADERS HOLD ABSENT
 if [ ! -x "$PYTHON" ]; then
     printf '%s\n' "$ABSENT"
     exit 0

@@ -15,6 +15,12 @@
 # Exit: 0 done; non-zero with the reason on stderr. Nothing of the content is ever printed.
 set -eu
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='secrets-file.sh stage PATH | place PATH UPLOAD_DIR | remove PATH  (run as root)'
+case ${1:-} in
+    stage|remove) need_arguments 2 "$@" ;;
+    place) need_arguments 3 "$@" ;;
+    *) usage "unknown command '${1:-}'" ;;
+esac
 
 path=$2
 staging=$path.servestack-new
@@ -33,9 +39,5 @@ case $1 in
         ;;
     remove)
         rm -f -- "$path" "$staging"
-        ;;
-    *)
-        echo "secrets-file.sh: unknown command '$1'" >&2
-        exit 2
         ;;
 esac

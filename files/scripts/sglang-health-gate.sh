@@ -28,8 +28,8 @@
 #   SS_ROLLBACK_RECORD   its `record` parameters for going back to SS_PREVIOUS_RELEASE (base64 JSON)
 #   SS_PROGRESS_EVERY    seconds between "waiting ... (N s of M s)" lines (default 5)
 # Output: progress lines on stdout; what failed (with the unit's last journal lines) on stderr.
-# Exit: 0 healthy; 1 failed, and rolled back (or stopped: no earlier healthy unit); 2 the
-# rollback failed too.
+# Exit: 0 healthy; 1 failed, and rolled back (or stopped: no earlier healthy unit); 3 the
+# rollback failed too; 2 an input missing (a usage line on stderr).
 set -u
 
 reason=""
@@ -37,6 +37,10 @@ invocation=""
 restarts_at_start=""   # the unit's NRestarts once our restart returned (earlier auto-restarts count there)
 
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='sglang-health-gate.sh  (inputs in the environment; run as root by operations/service.py `restart`)'
+need_env SS_UNIT SS_UNIT_PATH SS_UNIT_SOURCE SS_URL SS_HEALTH_TIMEOUT SS_GENERATE_TIMEOUT SS_GENERATE_BODY SS_RELEASE \
+    SS_RELEASE_DIR SS_FINGERPRINT SS_STATE_DIR SS_GOOD_UNIT SS_RECORD SS_VENV_PATH SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV \
+    SS_PREVIOUS_LABEL SS_PREVIOUS_FINGERPRINT SS_PYTHON SS_ROLLBACK_RECORD
 ml_env_tool=$(<"${BASH_SOURCE[0]%/*}/ml_env.py")
 
 # The unit's state, in one `systemctl show`: sets $active $sub $restarts $result $exit_status.
@@ -199,4 +203,4 @@ if reactivate_previous_venv && restore_good_unit && restart_and_check; then
   exit 1
 fi
 message "$failure; the rollback to $SS_PREVIOUS_LABEL failed too: $reason"
-exit 2
+exit 3

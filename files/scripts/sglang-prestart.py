@@ -143,7 +143,7 @@ def check(params, result):
 
 def main(argv):
     if len(argv) != 2:
-        sys.stderr.write("usage: python -I -c SGLANG_PRESTART_PY PARAMS_JSON\n")
+        sys.stderr.write("usage: sglang-prestart.py PARAMS_JSON  (`python -I -c TEXT PARAMS_JSON`)\n")
         return 2
     params = json.loads(argv[1])
     os.environ.update(params["env"])

@@ -12,6 +12,12 @@
 # Exit: 0 done; non-zero with the reason on stderr.
 set -eu
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='upload-staging.sh prepare REMOTE USER | place REMOTE USER OWNER'
+case ${1:-} in
+    prepare) need_arguments 3 "$@" ;;
+    place) need_arguments 4 "$@" ;;
+    *) usage "unknown command '${1:-}'" ;;
+esac
 
 remote=$2 user=$3
 staging=$(dirname -- "$remote")/.incoming-$user
@@ -32,9 +38,5 @@ case $1 in
         move_into_place "$staged" "$remote"
         chown -- "$4" "$remote"
         rmdir -- "$staging"
-        ;;
-    *)
-        echo "upload-staging.sh: unknown command '$1'" >&2
-        exit 2
         ;;
 esac

@@ -37,10 +37,12 @@
 #   secrets_file        `MODE OWNER GROUP` of SECRETS_FILE, or `absent`
 # Secrets never leave the host: the unit is compared with the secrets file here, and only counts
 # are printed.
-# Exit: 0 (what is absent is reported as absent).
+# Exit: 0 (what is absent is reported as absent); 2 an input missing (a usage line on stderr).
 set -u
 
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='verify-host.sh  (inputs in the environment; facts/verify.py VerifyHost runs it)'
+need_env CUDA VENV RECORDS UNIT PROPERTIES ENV_NAMES SECRET_NAMES SECRETS_FILE
 
 say() { printf '%s\t%s\n' "$1" "$2"; }
 

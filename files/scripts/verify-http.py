@@ -13,6 +13,9 @@ import sys
 import urllib.error
 import urllib.request
 
+if len(sys.argv) != 4:
+    sys.stderr.write("usage: verify-http.py MARK BASE REQUEST\n")
+    sys.exit(2)
 MARK, BASE, REQUEST = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 out = {"base": BASE}
 

@@ -17,8 +17,11 @@
 #
 # Output: one line, MARK followed by a JSON object: {"base", "health": status | "health_error"}
 # (files/scripts/verify-http.py, which the python runs, adds the /generate fields).
-# Exit: 0; what failed is in the report.
+# Exit: 0; what failed is in the report (2: an input missing, a usage line on stderr).
 set -u
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='verify-http.sh  (inputs in the environment; facts/verify.py ServiceHttp runs it)'
+need_env URL MARK PYTHON
 probe=$(<"${BASH_SOURCE[0]%/*}/verify-http.py")
 
 BASH_CANNOT_CONNECT=100

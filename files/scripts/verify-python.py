@@ -17,6 +17,9 @@ import os
 import sys
 import warnings
 
+if len(sys.argv) != 3:
+    sys.stderr.write("usage: verify-python.py MARK NAMES\n")
+    sys.exit(2)
 MARK, NAMES = sys.argv[1], json.loads(sys.argv[2])
 out = {"executable": sys.executable, "prefix": sys.prefix, "packages": {}}
 for name in NAMES:

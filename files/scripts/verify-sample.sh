@@ -12,6 +12,9 @@
 # CUDA runtime could open); 5 nvidia-smi reported no compute capability (or did not answer in
 # time); 6 no work directory; 7 nvcc failed.
 set -u
+source "${BASH_SOURCE[0]%/*}/helpers.sh"
+USAGE='verify-sample.sh  (NVCC, WORK_PARENT, SMI_TIMEOUT in the environment; facts/verify.py CudaSample)'
+need_env NVCC WORK_PARENT SMI_TIMEOUT
 sample_source=$(<"${BASH_SOURCE[0]%/*}/../verify/vector_add.cu")
 test -e /dev/nvidiactl || { echo 'no /dev/nvidiactl'; exit 4; }
 smi=(nvidia-smi)

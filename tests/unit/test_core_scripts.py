@@ -92,15 +92,13 @@ def helper(tmp_path, call: str, env: dict | None = None) -> subprocess.Completed
 
 
 def test_the_helpers_travel_in_place_of_the_line_that_sources_them():
-    assert {"cuda-toolkits.sh", "ml-env-state.sh", "verify-host.sh", "lock.sh", "busy.sh", "cuda-runfile.sh",
-            "cuda-toolkit.sh", "atomic-write.sh", "sglang-health-gate.sh"} <= set(USING_HELPERS)
+    assert set(USING_HELPERS) == {path.name for path in SCRIPTS.glob("*.sh")} - {HELPERS}   # every script: `usage`
     helpers = (SCRIPTS / HELPERS).read_text()
     code = [line for line in helpers.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert "<<" not in helpers and len("\n".join(code)) < len(helpers) / 2   # no heredoc a comment line could be in
     for name in USING_HELPERS:
         before, after = (SCRIPTS / name).read_text().split(HELPERS_LINE + "\n")
         assert script_text(name) == before + "\n".join(code) + "\n" + with_files_read(after), name
-    assert script_text("disk-free.sh") == (SCRIPTS / "disk-free.sh").read_text()
 
 
 FILE_READ = re.compile(r'^(\w+)=\$\(<"\$\{BASH_SOURCE\[0\]%/\*\}/([^"]+)"\)$', flags=re.MULTILINE)
@@ -408,9 +406,9 @@ def test_disk_free_without_df_says_so_path_by_path(tmp_path):
     assert done.returncode == 0 and parse_disks(done.stdout.splitlines()) == {str(tmp_path): None}
 
 
-def test_disk_free_of_no_paths_prints_nothing():
+def test_disk_free_of_no_paths_is_a_wrong_call():
     done = bash("disk-free.sh")
-    assert (done.returncode, done.stdout) == (0, "")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "usage: disk-free.sh PATH... (missing arguments)\n")
 
 
 def test_the_disk_command_is_the_script(tmp_path):

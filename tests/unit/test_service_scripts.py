@@ -305,15 +305,15 @@ def test_a_unit_the_gate_cannot_install_is_never_started(gate):
     assert "rolled back to release r-a" in proc.stderr
 
 
-def test_a_rollback_that_fails_too_exits_2(gate):
+def test_a_rollback_that_fails_too_exits_3(gate):
     proc = gate.run_after_a_healthy_one("BROKEN as well\n", "BROKEN\n")
-    assert proc.returncode == 2
+    assert proc.returncode == 3
     assert "the rollback to release r-a failed too: the server exited before /health answered" in proc.stderr
 
 
 def test_a_rollback_to_a_release_whose_venv_is_gone_says_so(gate):
     (gate.root / "releases" / "r-a" / "venv" / "bin" / "python").unlink()
     proc = gate.run_after_a_healthy_one("ExecStart=release r-a\n", "BROKEN\n")
-    assert proc.returncode == 2
+    assert proc.returncode == 3
     assert f"the previous release's venv {gate.root}/releases/r-a/venv is gone" in proc.stderr
     assert os.readlink(gate.venv) == str(gate.root / "releases" / "r-b" / "venv")
