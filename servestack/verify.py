@@ -391,11 +391,23 @@ class Results:
         failures = [detail for row in self.cells.values() for status, detail in row.values() if status == FAILED]
         return bool(failures) and all(detail.startswith(UNREACHABLE) for detail in failures)
 
+    def unreachable(self) -> dict[str, tuple[str, int]]:
+        """Each host that could not be read: why (its first such failure) and how many checks it failed so."""
+        found: dict[str, tuple[str, int]] = {}
+        for row in self.cells.values():
+            for host, (status, detail) in row.items():
+                if status == FAILED and detail.startswith(UNREACHABLE):
+                    first, count = found.get(host, (detail, 0))
+                    found[host] = (first, count + 1)
+        return found
+
     def counts(self) -> dict[str, int]:
+        """Checks passed, failed and skipped; a check not run on a host that could not be read is none of them."""
         totals = {PASSED: 0, FAILED: 0, SKIPPED: 0}
         for row in self.cells.values():
-            for status, _ in row.values():
-                totals[status] += 1
+            for status, detail in row.values():
+                if not (status == FAILED and detail.startswith(UNREACHABLE)):
+                    totals[status] += 1
         return totals
 
 
@@ -466,13 +478,17 @@ def render(results: Results, console) -> None:
             table.add_row(Text(check), *[Text(*_CELLS[row[host][0]]) if host in row else Text("")
                                          for host in results.hosts])
         console.print(table)
+    unreachable = results.unreachable()
+    for host, (detail, checks) in unreachable.items():   # one line per host, not one per check it could not run
+        console.print(Text.assemble(("unreachable", "bold red"), f" {host}: ", detail, f" ({checks} checks not run)"))
     for check, row in rows:
         for host, (status, detail) in row.items():
-            if status != PASSED:
+            if status != PASSED and not (status == FAILED and detail.startswith(UNREACHABLE)):
                 console.print(Text.assemble((status, _STATUS_STYLES[status]), f" {host} {check}: ", detail))
     totals = results.counts()
     console.print(Text(f"{totals[PASSED]} passed, {totals[FAILED]} failed, {totals[SKIPPED]} skipped on "
-                       f"{len(results.hosts)} host(s)" + ("" if rows else ": no check ran")))
+                       f"{len(results.hosts)} host(s)" + ("" if rows else ": no check ran")
+                       + (f"; {len(unreachable)} could not be reached" if unreachable else "")))
 
 
 def verify_main(inventory: str, limit: Iterable[str] | None = None, junit: str | None = None,

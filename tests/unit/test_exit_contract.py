@@ -165,3 +165,16 @@ def test_connection_data_is_refused_by_host_and_key_before_pyinfra_sets_up_conne
         validate_connection_data(load_inventory(path))
     assert str(refused.value).splitlines()[1:] == [
         "host 127.0.0.9: 'ssh_port': pyinfra's SSHConnector expects int, got '9'"]
+
+
+def test_verify_names_an_unreachable_host_once_and_exits_3(tmp_path):
+    """The real entry point against a loopback port nothing listens on: one line for the host, not one per check."""
+    path = inventory(tmp_path, ("127.0.0.1", {"ssh_port": 1, "ssh_user": "nobody", **LOCAL}))
+    servestack = Path(sys.executable).parent / "servestack"
+    result = subprocess.run([str(servestack), "verify", path], capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    named = [line for line in lines if "cannot run the probes on 127.0.0.1" in line]
+    assert len(named) == 1 and named[0].startswith("unreachable 127.0.0.1: ") and "checks not run)" in named[0]
+    assert lines[-1].endswith("on 1 host(s); 1 could not be reached") and lines[-1].startswith("0 passed, 0 failed")

@@ -192,6 +192,26 @@ def test_the_table_lists_checks_in_catalogue_order_with_every_reason():
     assert "1 passed, 1 failed, 1 skipped on 2 host(s)" in text
 
 
+def test_an_unreachable_host_is_one_line_not_one_per_check():
+    from rich.console import Console
+
+    from servestack.verify import UNREACHABLE
+
+    results = Results()
+    why = f"{UNREACHABLE} n2 (ssh://10.0.0.2): ssh: connect to host 10.0.0.2 port 22: Connection timed out"
+    for check in ("driver_version", "nvcc_version", "service_active"):
+        results.add(check, "n1", PASSED, "")
+        results.add(check, "n2", FAILED, why)
+    results.add("gpu_count", "n1", FAILED, "1 GPU on n1, expected 8")
+    console = Console(record=True, width=300)
+    render(results, console)
+    lines = console.export_text().splitlines()
+    assert [line for line in lines if "n2" in line and "Connection timed out" in line] == [
+        f"unreachable n2: {why} (3 checks not run)"]
+    assert "failed n1 gpu_count: 1 GPU on n1, expected 8" in lines
+    assert lines[-1] == "3 passed, 1 failed, 0 skipped on 2 host(s); 1 could not be reached"
+
+
 def test_the_suite_is_parametrised_per_inventory_host(inventory):
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/verify", "--inventory", str(inventory), "--limit", "gpu_hosts",
