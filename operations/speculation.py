@@ -191,7 +191,9 @@ def benchmark(release: Release, on_demand: dict | None = None):
     verb = "benchmarking" if is_executing(host) else "will benchmark"
     host.log(f"{verb} {settings.service_name} with and without speculation ({params['runs']} runs of "
              f"{params['max_new_tokens']} tokens, concurrency {', '.join(map(str, params['concurrency']))}; "
-             f"each configuration restarted through the health gate): {why}", logger.info)
+             f"{settings.service_name} restarted through the health gate for each configuration, and once more "
+             f"into the one the policy chooses when that is not the last; each restart waits up to "
+             f"{settings.service_health_timeout_s} s for /health): {why}", logger.info)
     yield FunctionCommand(_run_benchmark, (job,), {})
 
 

@@ -1,6 +1,7 @@
 """`servestack bench`: the controller side of the speculation benchmark (issue 17).
 
     servestack bench INVENTORY [--limit L ...] [--runs 10] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
+                     [--dry | -y]
 
 What is measured, per host: the manifest's fixed request (`[service.speculation_benchmark]`: prompt,
 output length, temperature 0) sent `runs` times at concurrency 1 by files/scripts/bench-client.py,
@@ -16,6 +17,11 @@ the decision are recorded on the host (servestack/speculation_policy.py: the pol
 preflight, health gate and recap), then reads each host's record and prints a table per host, and
 writes the JSON document (`--json`) and a chart (`--plot`, needs the `plot` extra: matplotlib).
 Numbers from the sandbox's stand-in server are SIMULATED, and every output says so.
+
+It restarts production services, so it asks first, as the deploy does: it shows what it would do (a
+pyinfra `--dry` run: which hosts it would restart, how often, and how long each restart may wait) and
+asks on the terminal; `-y` runs without asking, and without a terminal to ask on it refuses (exit 2)
+unless given `-y`. `--dry` shows the plan and changes nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Iterable
 
 from facts.batch import FactRequest
 from facts.service import ServiceRecord
-from servestack.errors import ConfigError, exit_status
+from servestack.errors import EXIT_FAILED, EXIT_OK, ConfigError, exit_status
 from servestack.manifest import PROJECT_ROOT
 from servestack.paths import speculation_record_path
 from servestack.speculation_policy import BASELINE, CONFIGURATIONS, SPECULATION, crossover, decide, gain_of, means
@@ -273,17 +279,34 @@ def plotting_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def pyinfra_argv(inventory: str, limit: Iterable[str] | None, options: dict) -> list[str]:
+def pyinfra_argv(inventory: str, limit: Iterable[str] | None, options: dict, dry: bool = False) -> list[str]:
     limits = [word for pattern in limit or () for word in ("--limit", pattern)]
-    return [str(Path(sys.executable).parent / "pyinfra"), "-y", *limits, str(Path(inventory).resolve()),
-            ON_DEMAND, json.dumps([[], options])]
+    return [str(Path(sys.executable).parent / "pyinfra"), "--dry" if dry else "-y", *limits,
+            str(Path(inventory).resolve()), ON_DEMAND, json.dumps([[], options])]
+
+
+NO_TERMINAL = ("servestack bench restarts the service of every host it measures, twice: pass -y to run without "
+               "asking, or --dry to see what it would do (standard input is not a terminal to ask on)")
+
+
+def confirmed(stdin=None) -> bool:
+    """The operator's answer, after the plan was shown; y or yes goes on."""
+    stdin = stdin or sys.stdin
+    print("Restart the services above and benchmark them? [y/N] ", end="", file=sys.stderr, flush=True)
+    return stdin.readline().strip().lower() in ("y", "yes")
+
+
+def run_pyinfra(argv: list[str]) -> int:
+    return subprocess.run(argv, cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL, stdout=sys.stderr).returncode
 
 
 def bench_main(inventory: str, limit: Iterable[str] | None = None, runs: int | None = None,
-               concurrency: str | None = None, json_path: str | None = None, plot_path: str | None = None) -> int:
+               concurrency: str | None = None, json_path: str | None = None, plot_path: str | None = None,
+               yes: bool = False, dry: bool = False) -> int:
     """Benchmark every host (pyinfra, `operations.speculation.bench_now`), then report from the hosts'
     records; 0 when every host was measured, 1 when one was not, 3 when a host could not be read
-    (servestack/errors.py). The CLI checks the output paths before anything runs."""
+    (servestack/errors.py). The CLI checks the output paths before anything runs. Unless `yes`, the plan
+    is shown first and the operator asked (`dry`: the plan only, nothing restarted)."""
     levels = parse_levels(concurrency)
     if runs is not None and runs < 1:
         raise ConfigError(f"--runs {runs}: expected at least 1")
@@ -291,9 +314,16 @@ def bench_main(inventory: str, limit: Iterable[str] | None = None, runs: int | N
         raise ConfigError("--plot needs matplotlib, the 'plot' extra: uv sync --extra plot "
                           "(or pip install 'servestack[plot]')")
     targets = targets_from_inventory(inventory, limit, action="benchmark", local=False)
+    if not (yes or dry) and not sys.stdin.isatty():
+        raise ConfigError(NO_TERMINAL)
     request = f"bench-{uuid.uuid4().hex[:12]}"
-    argv = pyinfra_argv(inventory, limit, {"runs": runs, "concurrency": levels, "request": request})
-    status = subprocess.run(argv, cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL, stdout=sys.stderr).returncode
+    options = {"runs": runs, "concurrency": levels, "request": request}
+    if not yes:
+        status = run_pyinfra(pyinfra_argv(inventory, limit, options, dry=True))
+        if dry or status != 0 or not confirmed():
+            print("servestack bench: nothing was restarted or measured", file=sys.stderr)
+            return EXIT_OK if status == 0 else EXIT_FAILED
+    status = run_pyinfra(pyinfra_argv(inventory, limit, options))
     found = read_all(targets, lambda target: [FactRequest.of(ServiceRecord,
                                                               path=speculation_record_path(target.settings))])
     reports = {}
@@ -306,6 +336,8 @@ def bench_main(inventory: str, limit: Iterable[str] | None = None, runs: int | N
         Path(json_path).write_text(render_json(reports, request) + "\n")
     if plot_path and any(report["measured"] for report in reports.values()):
         plot(reports, plot_path)
+    elif plot_path:
+        print(f"servestack bench: --plot {plot_path}: no chart drawn: no host was measured", file=sys.stderr)
     unread = {name for name, value in found.items() if isinstance(value, Unreachable)}
     failed = any(not report["measured"] for name, report in reports.items() if name not in unread)
     return exit_status(failed or (status != 0 and not unread), bool(unread))

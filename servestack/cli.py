@@ -5,6 +5,7 @@
     servestack verify INVENTORY [--limit L ...] [--junit FILE]  the verification suite as a per-host table
     servestack backups INVENTORY [--limit L ...]       list the environment snapshots kept on each host
     servestack bench INVENTORY [--limit L ...] [--runs N] [--concurrency 1,4,16] [--json FILE] [--plot FILE.png]
+                     [--dry | -y]
                                                     tok/s with and without speculation; the host ends in the
                                                     configuration its service_speculation policy chooses
     servestack keys [--manifest FILE]               every host-data key, its default and meaning
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, dest="json_path", metavar="FILE", help="write the JSON document")
     bench.add_argument("--plot", default=None, dest="plot_path", metavar="FILE.png",
                        help="draw a chart (needs the 'plot' extra: matplotlib)")
+    asking = bench.add_mutually_exclusive_group()
+    asking.add_argument("--dry", action="store_true", help="show which hosts it would restart; change nothing")
+    asking.add_argument("-y", "--yes", action="store_true",
+                        help="restart and measure without asking (needed without a terminal)")
     keys = commands.add_parser("keys", help="every host-data key with its default and meaning")
     keys.add_argument("--manifest", default=None,
                       help="the manifest whose defaults to show (default: files/stack.toml)")
@@ -123,7 +128,8 @@ def _fleet_report(args) -> int:
         return verify_main(args.inventory, args.limit, args.junit)
     if args.command == "bench":
         from servestack.bench import bench_main
-        return bench_main(args.inventory, args.limit, args.runs, args.concurrency, args.json_path, args.plot_path)
+        return bench_main(args.inventory, args.limit, args.runs, args.concurrency, args.json_path, args.plot_path,
+                          yes=args.yes, dry=args.dry)
     from servestack.backups import backups_main
     return backups_main(args.inventory, args.limit)
 

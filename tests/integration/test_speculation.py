@@ -121,10 +121,25 @@ def test_a_second_converge_neither_benchmarks_nor_changes_anything(fleet):
     assert hosts["h2"]["speculation"]["decision"] == "baseline" and hosts["h2"]["speculation"]["simulated"]
 
 
+def test_servestack_bench_dry_shows_the_plan_and_restarts_nothing(fleet):
+    lab = fleet.lab
+    before = {host.name: (record(lab, host), starts(lab, host)) for host in lab.hosts}
+    argv = [sys.executable, "-m", "servestack.cli", "bench", str(lab.inventory_path), "--dry"]
+    run = subprocess.run(lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert run.stderr.count("will benchmark sglang.service with and without speculation") == len(lab.hosts)
+    assert "each restart waits up to" in run.stderr and "nothing was restarted or measured" in run.stderr
+    assert {host.name: (record(lab, host), starts(lab, host)) for host in lab.hosts} == before
+    without_terminal = subprocess.run(lab.controller_argv(argv[:-1]), cwd=ROOT, capture_output=True, text=True,
+                                      timeout=600, stdin=subprocess.DEVNULL)
+    assert without_terminal.returncode == 2 and "pass -y to run without asking" in without_terminal.stderr
+
+
 def test_servestack_bench_measures_on_demand_and_writes_json_and_a_chart(fleet, tmp_path):
     lab = fleet.lab
     output, chart = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = [sys.executable, "-m", "servestack.cli", "bench", str(lab.inventory_path), "--runs", "5",
+    argv = [sys.executable, "-m", "servestack.cli", "bench", str(lab.inventory_path), "-y", "--runs", "5",
             "--concurrency", ",".join(map(str, BENCH_LEVELS)), "--json", str(output), "--plot", str(chart)]
     first_beyond = min(level for level in BENCH_LEVELS if level >= CROSSOVER)   # 4
     run = subprocess.run(lab.controller_argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=900)

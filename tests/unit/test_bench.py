@@ -467,10 +467,66 @@ def test_the_cli_and_the_pyinfra_command(monkeypatch):
                                                                                         ["h1", "gpu"])
     argv = bench.pyinfra_argv("inv.py", args.limit, {"runs": 5})
     assert argv[1:6] == ["-y", "--limit", "h1", "--limit", "gpu"]
+    assert bench.pyinfra_argv("inv.py", (), {"runs": 5}, dry=True)[1] == "--dry"
     assert argv[-2:] == [bench.ON_DEMAND, json.dumps([[], {"runs": 5}])]
     monkeypatch.setattr(bench, "plotting_available", lambda: False)
     with pytest.raises(ConfigError, match="--plot needs matplotlib, the 'plot' extra"):
         bench.bench_main("inv.py", plot_path="b.png")
+
+
+class Runs:
+    """What bench_main asked pyinfra to do, instead of running it; the hosts then hold no record of the run."""
+
+    def __init__(self, monkeypatch, tmp_path, status: int = 0, answer: str | None = None, terminal: bool = True):
+        self.argvs: list[list[str]] = []
+        self.inventory = tmp_path / "fleet.py"
+        self.inventory.write_text('hosts = [("gpu-a", {"ssh_hostname": "192.0.2.10"})]\n')
+        monkeypatch.setattr(bench, "run_pyinfra", lambda argv: self.argvs.append(argv) or status)
+        monkeypatch.setattr(bench, "read_all", lambda targets, requests: {t.name: [None] for t in targets})
+        monkeypatch.setattr(sys, "stdin", io.StringIO(answer or ""))
+        monkeypatch.setattr(sys.stdin, "isatty", lambda: terminal)
+
+    def modes(self) -> list[str]:
+        return [argv[1] for argv in self.argvs]
+
+
+def test_bench_without_a_terminal_to_ask_on_refuses_unless_told_yes(monkeypatch, tmp_path, capsys):
+    runs = Runs(monkeypatch, tmp_path, terminal=False)
+    with pytest.raises(ConfigError, match="pass -y to run without asking, or --dry to see what it would do"):
+        bench.bench_main(str(runs.inventory))
+    assert runs.argvs == []
+    assert bench.bench_main(str(runs.inventory), yes=True) == 1 and runs.modes() == ["-y"]   # nothing recorded
+
+
+def test_bench_dry_shows_the_plan_and_restarts_nothing(monkeypatch, tmp_path, capsys):
+    runs = Runs(monkeypatch, tmp_path, terminal=False)
+    assert bench.bench_main(str(runs.inventory), dry=True) == 0
+    assert runs.modes() == ["--dry"] and "nothing was restarted or measured" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("answer", "modes"), [("\n", ["--dry"]), ("n\n", ["--dry"]), ("y\n", ["--dry", "-y"]),
+                                               ("yes\n", ["--dry", "-y"])])
+def test_bench_on_a_terminal_shows_the_plan_then_asks(monkeypatch, tmp_path, capsys, answer, modes):
+    runs = Runs(monkeypatch, tmp_path, answer=answer)
+    status_ = bench.bench_main(str(runs.inventory))
+    assert runs.modes() == modes
+    assert "Restart the services above and benchmark them? [y/N]" in capsys.readouterr().err
+    assert status_ == (0 if modes == ["--dry"] else 1)
+
+
+def test_bench_plot_with_nothing_measured_says_no_chart_was_drawn(monkeypatch, tmp_path, capsys):
+    runs = Runs(monkeypatch, tmp_path)
+    monkeypatch.setattr(bench, "plotting_available", lambda: True)
+    chart = tmp_path / "bench.png"
+    assert bench.bench_main(str(runs.inventory), plot_path=str(chart), yes=True) == 1
+    assert f"--plot {chart}: no chart drawn: no host was measured" in capsys.readouterr().err
+    assert not chart.exists()
+
+
+def test_bench_dry_and_yes_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "inv.py", "--dry", "-y"])
+    assert build_parser().parse_args(["bench", "inv.py", "--yes"]).yes
 
 
 # -- the operation, through pyinfra's @fake connector ------------------------------------------------
@@ -481,7 +537,9 @@ def test_a_dry_run_says_whether_it_would_benchmark_and_why(caplog):
     rel = service.release(settings(service_speculation="auto"), RELEASE_ID)
     add_deploy(state, speculation.speculation, release=rel)
     assert "will benchmark sglang.service with and without speculation (10 runs of 256 tokens, concurrency 1; " \
-           "each configuration restarted through the health gate): no speculation decision is recorded" in caplog.text
+           "sglang.service restarted through the health gate for each configuration, and once more into the one the " \
+           "policy chooses when that is not the last; each restart waits up to 1800 s for /health): no speculation " \
+           "decision is recorded" in caplog.text
     target = state.inventory.get_host("@fake/gpu1")
     assert state.get_meta_for_host(target).ops_change == 1
 
