@@ -8,7 +8,7 @@
                      [--dry | -y]
                                                     tok/s with and without speculation; the host ends in the
                                                     configuration its service_speculation policy chooses
-    servestack keys [--manifest FILE]               every host-data key, its default and meaning
+    servestack keys [--manifest FILE] [--json]      every host-data key, its default and meaning
 
 Exit status, the same for every command (servestack/errors.py):
   0    all good
@@ -22,6 +22,7 @@ Exit status, the same for every command (servestack/errors.py):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -65,28 +66,42 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="every host-data key with its default and meaning")
     keys.add_argument("--manifest", default=None,
                       help="the manifest whose defaults to show (default: files/stack.toml)")
+    keys.add_argument("--json", action="store_true", dest="as_json", help="one JSON object instead of the table")
     return parser
 
 
-def print_keys(manifest_path: str | None = None) -> int:
-    """The key table; a manifest that cannot give every default raises ManifestError (exit 2)."""
-    from rich.console import Console
-    from rich.table import Table
-
+def key_rows(manifest_path: str | None = None) -> tuple[str, list[dict]]:
+    """The manifest shown (relative to the project) and each host-data key: name, default, meaning. A
+    manifest that cannot give every default raises ManifestError (exit 2)."""
     from servestack.manifest import DEFAULT_MANIFEST, PROJECT_ROOT, load_manifest
     from servestack.keys import host_keys
 
     path = Path(manifest_path).resolve() if manifest_path else DEFAULT_MANIFEST
     manifest = load_manifest(path)
-    keys = host_keys(manifest)
     shown = path.relative_to(PROJECT_ROOT) if path.is_relative_to(PROJECT_ROOT) else path
+    return str(shown), [{"name": key.name, "default": key.default(manifest), "meaning": key.help}
+                        for key in host_keys(manifest).values()]
+
+
+def print_keys(manifest_path: str | None = None, as_json: bool = False) -> int:
+    """The key table (a key's name is never wrapped), or with `as_json` one JSON object
+    {"manifest": PATH, "keys": [{"name", "default", "meaning"}]}."""
+    from rich.table import Table
+
+    from servestack.verify import report_console
+
+    shown, rows = key_rows(manifest_path)
+    if as_json:
+        print(json.dumps({"manifest": shown, "keys": rows}, indent=2, default=str))
+        return 0
     table = Table(title=f"servestack host-data keys (defaults from {shown})")
-    for column in ("key", "default", "meaning"):
-        table.add_column(column, overflow="fold")
-    for key in keys.values():
-        default = key.default(manifest)
-        table.add_row(key.name, "—" if default in (None, (), {}) else str(default), key.help)
-    Console().print(table)
+    table.add_column("key", no_wrap=True, min_width=max(len(row["name"]) for row in rows))
+    table.add_column("default", overflow="fold")
+    table.add_column("meaning", overflow="fold")
+    for row in rows:
+        default = row["default"]
+        table.add_row(row["name"], "—" if default in (None, (), {}) else str(default), row["meaning"])
+    report_console().print(table)
     return 0
 
 
@@ -162,7 +177,7 @@ def _syntax_error_message(error: SyntaxError, filename: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        status = print_keys(args.manifest) if args.command == "keys" else _fleet_report(args)
+        status = print_keys(args.manifest, args.as_json) if args.command == "keys" else _fleet_report(args)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return status
     except ConfigError as error:

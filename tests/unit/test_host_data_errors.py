@@ -2,6 +2,7 @@
 of every host at once, before any connection, one line each naming the host (or file) and the key
 (issues 16 and 18)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -460,6 +461,29 @@ def test_servestack_keys_with_a_manifest_missing_a_service_default_exits_2(tmp_p
 def test_servestack_keys_shows_the_shipped_manifest(capsys):
     assert cli.main(["keys"]) == 0
     assert "servestack_user_keys" in capsys.readouterr().out
+
+
+def test_servestack_keys_json_lists_every_key_with_its_default(capsys):
+    assert cli.main(["keys", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["manifest"] == "files/stack.toml"
+    assert [row["name"] for row in document["keys"]] == list(host_keys(load_manifest(DEFAULT_MANIFEST)))
+    by_name = {row["name"]: row for row in document["keys"]}
+    assert by_name["service_port"]["default"] == 30000 and by_name["service_port"]["meaning"]
+
+
+def test_servestack_keys_never_wraps_a_key_name_on_a_narrow_terminal(monkeypatch, capsys):
+    """Read from the table, a key name broken over two lines is a key that does not exist."""
+    from rich.console import Console
+
+    from servestack import verify
+
+    monkeypatch.setattr(verify, "report_console", lambda: Console(width=80, force_terminal=False))
+    assert cli.main(["keys"]) == 0
+    out = capsys.readouterr().out
+    for name in ("servestack_user_keys", "service_enable_flashinfer_allreduce_fusion",
+                 "service_speculative_num_draft_tokens"):
+        assert any(line.split("│")[1].strip() == name for line in out.splitlines() if line.count("│") >= 3), name
 
 
 # -- a broken inventory (issue 18) ------------------------------------------------------------------
