@@ -25,7 +25,7 @@ from typing import Iterable
 
 from operations.preflight import CHECKS, CheckResult, evaluate, read_preflight
 from servestack.errors import EXIT_BAD_INPUT, ConfigError, exit_status
-from servestack.fleet import limited, load_inventory
+from servestack.fleet import group_data_of, limited, load_inventory, unused_group_data
 from servestack.preconnect import connection_problems, targets_problems
 from servestack.settings import host_settings
 from servestack.verify import report_console
@@ -44,13 +44,14 @@ class HostReport:
 
 
 def report_for(name: str, settings, facts, refusals: Iterable[str] | None = (),
-               connect_error: str | None = None) -> HostReport:
-    """A host's checks: settings (the lines the deploy would refuse it with), connect, then the
-    preflight checks (skipped when they cannot run)."""
+               connect_error: str | None = None, groups: Iterable[str] = ()) -> HostReport:
+    """A host's checks: settings (the lines the deploy would refuse it with, or which group data
+    applied), connect, then the preflight checks (skipped when they cannot run)."""
     refusals = tuple(refusals or ())
     refused = settings is None or bool(refusals)
+    applied = f"group data: {', '.join(groups)}" if groups else "no group data"
     checks = [CheckResult("settings", "fail", "\n".join(refusals) or "invalid", refusals or ("invalid",))
-              if refused else CheckResult("settings", "ok", "valid")]
+              if refused else CheckResult("settings", "ok", f"valid ({applied})")]
     if refused:
         checks.append(CheckResult("connect", "skip", "not attempted"))
     elif connect_error or facts is None:
@@ -63,18 +64,20 @@ def report_for(name: str, settings, facts, refusals: Iterable[str] | None = (),
     return HostReport(name, checks + evaluate(settings, facts))
 
 
-def render_json(reports: dict[str, HostReport]) -> str:
+def render_json(reports: dict[str, HostReport], unused: Iterable[str] = ()) -> str:
     hosts = {name: {"ok": report.ok,
                     "checks": {check.name: {"status": check.status, "detail": check.detail,
                                             "problems": list(check.problems)} for check in report.checks}}
              for name, report in reports.items()}
-    return json.dumps({"ok": all(report.ok for report in reports.values()), "hosts": hosts}, indent=2)
+    return json.dumps({"ok": all(report.ok for report in reports.values()), "hosts": hosts,
+                       "unused_group_data": list(unused)}, indent=2)
 
 
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
-def render_table(reports: dict[str, HostReport], console=None) -> None:
+def render_table(reports: dict[str, HostReport], console=None, unused: Iterable[str] = ()) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or report_console()
@@ -87,6 +90,8 @@ def render_table(reports: dict[str, HostReport], console=None) -> None:
             table.add_row(name if index == 0 else "", check.name, f"[{style}]{check.status}[/]", check.detail,
                           end_section=index == len(report.checks) - 1)
     console.print(table)
+    for line in unused:
+        console.print(f"[yellow]warning:[/] {escape(line)}")
     failed = [name for name, report in reports.items() if not report.ok]
     console.print(f"[bold red]{len(failed)} of {len(reports)} hosts would be refused:[/] {', '.join(failed)}"
                   if failed else f"[green]all {len(reports)} hosts pass preflight[/]")
@@ -113,18 +118,18 @@ def _check_host(state, host, refusals: list[str]) -> HostReport:
 
     if refusals:
         return report_for(host.name, None, None, refusals)
-    settings = host_settings(host)
+    settings, groups = host_settings(host), group_data_of(host)
     with ctx_state.use(state), ctx_host.use(host):
         try:
             host.connect(show_errors=False, raise_exceptions=True)
         except ConnectError as error:
-            return report_for(host.name, settings, None, (), f"cannot connect: {error}")
+            return report_for(host.name, settings, None, (), f"cannot connect: {error}", groups)
         state.activate_host(host)
         try:
             facts = read_preflight(host, settings)
         except PyinfraError as error:
-            return report_for(host.name, settings, None, (), f"cannot read the host: {error}")
-    return report_for(host.name, settings, facts)
+            return report_for(host.name, settings, None, (), f"cannot read the host: {error}", groups)
+    return report_for(host.name, settings, facts, groups=groups)
 
 
 def collect(state, hosts, environ=None) -> dict[str, HostReport]:
@@ -159,8 +164,9 @@ def doctor_main(inventory_path: str, limit: Iterable[str] | None = None, as_json
     """Print the preflight report of the inventory's hosts, with the contract's exit status."""
     state, hosts = _load(inventory_path, limit)
     reports = collect(state, hosts)
+    unused = unused_group_data(state.inventory)
     if as_json:
-        print(render_json(reports))
+        print(render_json(reports, unused))
     else:
-        render_table(reports)
+        render_table(reports, unused=unused)
     return doctor_status(reports)

@@ -74,3 +74,19 @@ def limited(inventory: Inventory, patterns: Iterable[str] = ()) -> list:
         return list(inventory)
     chosen = {host.name for pattern in patterns for host in _matches(inventory, pattern)}
     return [host for host in inventory if host.name in chosen]
+
+
+def group_data_of(host) -> list[str]:
+    """The groups whose data applies to `host`, in the order pyinfra applies it (a later one's value holds):
+    "all" (the inventory's own data, group_data/all.py), then the host's groups that have data."""
+    inventory = host.inventory
+    groups = [group for group in host.groups if inventory.get_group_data(group)]
+    return (["all"] if inventory.get_data() else []) + groups
+
+
+def unused_group_data(inventory: Inventory) -> list[str]:
+    """One line per group that has data but no host: pyinfra loads group_data/<group>.py for any name, and
+    a group list renamed in the inventory leaves its data file applying to no host, without a word."""
+    return [f"group data of '{name}' (group_data/{name}.py) applies to no host: the inventory has no group "
+            f"'{name}' (renamed?)" for name, data in inventory.group_data.items()
+            if data and name != "all" and not inventory.groups.get(name)]

@@ -22,6 +22,7 @@ from pyinfra_cli.exceptions import CliError
 
 from servestack import runreport
 from servestack.errors import ConfigError
+from servestack.fleet import group_data_of, unused_group_data
 from servestack.manifest import PROJECT_ROOT
 from servestack.preconnect import inventory_file_problem, validate_connection_data, validate_targets
 from servestack.pyinfra_hooks import cli_argument, enable_tcp_nodelay, validate_after_inventory_load
@@ -35,12 +36,27 @@ NOT_FROM_PROJECT = (f"pyinfra did not load servestack's config.py (it reads conf
 
 def check_run(state) -> None:
     """Every check of the run's input; raises ConfigError. Then follows the run for its recap."""
+    say_group_data(state, dry=bool(cli_argument("dry")))
     validate_targets(state)
     problem = runreport.prompt_problem(sys.argv)
     if problem:
         raise ConfigError(problem)
     runreport.install(state)
     _CHECKED.add(state)
+
+
+def say_group_data(state, dry: bool) -> None:
+    """In a dry run, say which group data applied to each targeted host, and warn of group data that applies
+    to no host: a renamed group list drops its data file without a word (pyinfra loads group_data/ from the
+    inventory's folder and the current one, for any group name)."""
+    if not dry:
+        return
+    for line in unused_group_data(state.inventory):
+        logger.warning(line)
+    for host in state.inventory:
+        if state.is_host_in_limit(host):
+            groups = group_data_of(host)
+            logger.info(f"    [{host.name}] " + (f"group data: {', '.join(groups)}" if groups else "no group data"))
 
 
 def _inventory_read(inventory) -> None:

@@ -131,7 +131,10 @@ def test_doctor_reports_the_refusals_of_the_deploy_with_their_reasons(tmp_path, 
 def test_doctor_says_why_it_cannot_connect_and_exits_3(tmp_path, capsys):
     path = inventory(tmp_path, ("127.0.0.1", {"ssh_port": 1, "ssh_user": "nobody", **LOCAL}))
     code, out, _err = run(capsys, "doctor", "--json", path)
-    connect = json.loads(out)["hosts"]["127.0.0.1"]["checks"]["connect"]
+    document = json.loads(out)
+    connect = document["hosts"]["127.0.0.1"]["checks"]["connect"]
+    assert document["hosts"]["127.0.0.1"]["checks"]["settings"]["detail"] == "valid (no group data)"
+    assert isinstance(document["unused_group_data"], list)
     assert code == 3
     assert connect["status"] == "fail" and connect["detail"].startswith("cannot connect: ")
     assert "port 1" in connect["detail"]

@@ -345,6 +345,36 @@ def test_connection_data_pyinfra_would_stop_at_naming_no_host_is_refused_naming_
     assert "Invalid connector data" not in output and "Connecting to hosts" not in output
 
 
+def test_a_dry_run_says_which_group_data_applied_and_warns_of_group_data_no_host_gets(tmp_path):
+    """Renaming the example's `gpu_hosts` list silently dropped group_data/gpu_hosts.py (the SSH user, sudo)."""
+    (tmp_path / "group_data").mkdir()
+    (tmp_path / "group_data" / "gpu_hosts.py").write_text('ssh_user = "ubuntu"\n')
+    (tmp_path / "group_data" / "all.py").write_text('service_port = 30001\n')
+    inventory = tmp_path / "inventory.py"
+    inventory.write_text('my_gpus = [("gpu-a", {"ssh_hostname": "127.0.0.1", "servestack_allow_local": True, '
+                         '"service_user": "root"})]\n')
+    output, returncode = _pyinfra(inventory, "deploy.py", "--dry")
+    assert returncode == 1, output   # refused (service_user root) before connecting, with the warning first
+    assert "group data of 'gpu_hosts' (group_data/gpu_hosts.py) applies to no host: the inventory has no group " \
+           "'gpu_hosts' (renamed?)" in output
+    assert "[gpu-a] group data: all" in output and "Connecting to hosts" not in output
+
+
+def test_group_data_of_a_host_in_the_order_pyinfra_applies_it(tmp_path):
+    from servestack.fleet import group_data_of, unused_group_data
+
+    (tmp_path / "group_data").mkdir()
+    (tmp_path / "group_data" / "gpu_hosts.py").write_text('ssh_user = "ubuntu"\n')
+    (tmp_path / "group_data" / "spare.py").write_text('ssh_user = "spare"\n')
+    inventory = tmp_path / "fleet.py"
+    inventory.write_text('gpu_hosts = ["gpu-a"]\nother = ["gpu-b"]\n')
+    hosts = {host.name: host for host in load_inventory(inventory)}
+    assert group_data_of(hosts["gpu-a"]) == ["gpu_hosts"] and group_data_of(hosts["gpu-b"]) == []
+    assert unused_group_data(hosts["gpu-a"].inventory) == [
+        "group data of 'spare' (group_data/spare.py) applies to no host: the inventory has no group 'spare' "
+        "(renamed?)"]
+
+
 def test_an_inventory_without_hosts_is_refused():
     with pytest.raises(ConfigError, match="no host to run on: the inventory has no hosts"):
         validate_targets(FakeState([]), environ={})
