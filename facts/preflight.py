@@ -20,7 +20,7 @@ class PreflightFacts:
     lock: LockState = LockState()
     toolkit: ToolkitState | None = None
     runfile_digest: Digest | None = None      # read only when an install is due and a runfile is there
-    service: tuple = ()                       # (curl found, the unit's state, the service user's account)
+    service: tuple = ()         # (curl found, the unit's state, the service user's account, useradd found)
 
     @property
     def arch(self) -> str | None:

@@ -31,6 +31,7 @@ from typing import Sequence
 from packaging.version import InvalidVersion, Version
 from pyinfra import host
 from pyinfra.api import deploy, operation
+from pyinfra.facts.server import Which
 
 from facts.batch import FactRequest
 from facts.gpu import GpuReport, NvidiaGpus
@@ -98,7 +99,8 @@ def _checked_reads(settings: Settings) -> list[FactRequest]:
             FactRequest.of(DiskSpace,
                            paths=(settings.cuda_cache_dir, settings.cuda_tmpdir, settings.cuda_install_path)),
             FactRequest.of(CudaToolkits, **toolkit_fact_arguments(settings)),
-            *service.service_host_reads(settings)]
+            *service.service_host_reads(settings),
+            FactRequest.of(Which, command="useradd")]
 
 
 def _lock_read(settings: Settings) -> FactRequest:
@@ -112,10 +114,11 @@ def read_preflight(host_, settings: Settings, also: Sequence[FactRequest] = (), 
     command of its own; the toolkit step reuses that read in this stage). `lock`: the lock as the
     caller has just taken it (not read)."""
     own = _checked_reads(settings) + ([] if lock else [_lock_read(settings)])
-    gpu, disks, toolkit, curl, unit_state, account, *read_lock = reads.read(host_, [*own, *also])[:len(own)]
+    gpu, disks, toolkit, curl, unit_state, account, useradd, *read_lock = reads.read(host_, [*own, *also])[:len(own)]
     runfile_digest = read_runfile_digest(host_, settings, toolkit) if digest and toolkit else None
     return PreflightFacts(gpu=gpu, disks=disks, lock=lock or read_lock[0], toolkit=toolkit,
-                          runfile_digest=runfile_digest, service=(bool(curl), unit_state or {}, account or {}))
+                          runfile_digest=runfile_digest,
+                          service=(bool(curl), unit_state or {}, account or {}, bool(useradd)))
 
 
 def check_driver(settings: Settings, gpu: GpuReport) -> CheckResult:
@@ -282,15 +285,26 @@ def check_install_path(settings: Settings, facts: PreflightFacts) -> CheckResult
 
 def check_service(settings: Settings, facts: PreflightFacts) -> CheckResult:
     """What would stop the service step after the toolkit and the venv changed: no systemd, no curl for
-    the health gate, a service user that is someone's login."""
+    the health gate, a service user that is someone's login or that cannot be created."""
     if not facts.service:
         return CheckResult("service", "skip", "not read")
-    curl, unit_state, account = facts.service
+    curl, unit_state, account, useradd = facts.service
     problems = service.unit_host_problems(settings, curl, unit_state)
     login = service.login_user_problem(settings, account)
-    if problems or login:
-        return _fail("service", *problems, *([login] if login else []))
+    uncreatable = user_creation_problem(settings, account, useradd)
+    problems += [problem for problem in (login, uncreatable) if problem]
+    if problems:
+        return _fail("service", *problems)
     return _ok("service", f"systemd runs the host, curl is there, {settings.service_user} can be its user")
+
+
+def user_creation_problem(settings: Settings, account: dict, useradd: bool) -> str | None:
+    """The service step creates its user with pyinfra's server.user, which runs useradd on Linux and stops
+    with "useradd is not installed" where there is none: after the toolkit and the venv changed."""
+    if account.get(settings.service_user) or useradd:
+        return None
+    return (f"'service_user': {settings.service_user} does not exist and cannot be created: useradd (the "
+            "passwd package) is not on the host; install it, or create the user as a system user beforehand")
 
 
 def _toolkit(facts: PreflightFacts) -> ToolkitState:

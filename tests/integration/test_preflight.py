@@ -82,6 +82,27 @@ def test_a_host_without_systemd_is_refused_by_preflight_before_any_change(pf):
     assert after == before
 
 
+def test_a_service_user_that_cannot_be_created_is_refused_by_preflight_before_any_change(pf):
+    """Issue 32 §1: pyinfra's server.user stops with "useradd is not installed" in the service step, after the
+    toolkit and the venv changed. Preflight refuses the host first; doctor says the same."""
+    host = pf.host("h1")
+    pf.scenario(host, "doctor-good")
+    assert pf.lab.exec(host, "getent passwd sglang").returncode != 0   # the deploy would create it
+    useradd = pf.sh(host, "command -v useradd").strip()
+    pf.sh(host, f"mv {useradd} {useradd}.hidden")
+    try:
+        before = pf.lab.fingerprint(host)
+        report = json.loads(doctor(pf, "--json", "--limit", "h1").stdout)["hosts"]["h1"]["checks"]["service"]
+        run = pf.pyinfra(DEPLOY, limit=["h1"])
+        after = pf.lab.fingerprint(host)
+    finally:
+        pf.sh(host, f"mv {useradd}.hidden {useradd}")
+    refusal = "'service_user': sglang does not exist and cannot be created: useradd (the passwd package) is not on"
+    assert report["status"] == "fail" and refusal in report["detail"]
+    assert run.returncode != 0 and f"refused: {refusal}" in run.output, run.output[-4000:]
+    assert after == before
+
+
 def busy(pf, host) -> bool:
     """Whether a servestack command (download, installer) holds the host's busy lock right now."""
     return pf.lab.exec(host, f"test -e {BUSY} && ! flock -n {BUSY} true").returncode == 0

@@ -408,3 +408,21 @@ def test_preflight_reads_no_digest_without_a_file_to_check_or_an_install_to_make
 
 def host_settings_of(state):
     return host_settings(state.inventory.get_host("@fake/gpu1"))
+
+
+def test_a_service_user_that_cannot_be_created_is_refused_before_any_change():
+    """pyinfra's server.user stops with "useradd is not installed" in the service step, after the toolkit and
+    the venv changed; preflight names it first, with the other problems."""
+    def service_check(account: dict, useradd: bool):
+        read = facts()
+        with_service = PreflightFacts(gpu=read.gpu, disks=read.disks, lock=read.lock, toolkit=read.toolkit,
+                                      service=(True, {"SystemdRunning": "yes"}, account, useradd))
+        return by_name(evaluate(settings(), with_service, "run-1"))["service"]
+
+    missing = service_check({}, useradd=False)
+    assert missing.status == "fail" and missing.problems == (
+        "'service_user': sglang does not exist and cannot be created: useradd (the passwd package) is not on the "
+        "host; install it, or create the user as a system user beforehand",)
+    existing = {"sglang": {"uid": 998, "home": "/var/lib/sglang", "shell": "/usr/sbin/nologin"}}
+    assert service_check(existing, useradd=False).status == "ok"
+    assert service_check({}, useradd=True).status == "ok"
