@@ -26,7 +26,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from traceback import walk_tb
 
 from servestack.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, ConfigError
 from servestack.fleet import LIMIT_HELP
@@ -149,31 +148,6 @@ def _fleet_report(args) -> int:
     return backups_main(args.inventory, args.limit)
 
 
-def broken_file_message(error: BaseException) -> str | None:
-    """One line for an inventory or group-data file that fails to load (a Python error in it,
-    wrapped by pyinfra's loader or raised directly): the file, the line and the error; None for
-    any other exception (a bug, shown with its traceback)."""
-    from servestack.pyinfra_hooks import import_pyinfra_cli
-
-    UnexpectedExternalError = import_pyinfra_cli().exceptions.UnexpectedExternalError
-    if isinstance(error, UnexpectedExternalError):
-        filename, inner = str(error.filename), error.exception
-        frames = walk_tb(getattr(inner, "_traceback", None) or inner.__traceback__)
-        lines = [line for frame, line in frames if frame.f_code.co_filename.endswith(os.path.basename(filename))]
-        if isinstance(inner, SyntaxError):
-            return _syntax_error_message(inner, filename)
-        where = f"{filename} line {lines[-1]}" if lines else filename
-        return f"{where}: {type(inner).__name__}: {inner}"
-    if isinstance(error, SyntaxError):
-        return _syntax_error_message(error, error.filename)
-    return None
-
-
-def _syntax_error_message(error: SyntaxError, filename: str | None) -> str:
-    where = f"{filename or error.filename} line {error.lineno}" if error.lineno else str(filename or error.filename)
-    return f"{where}: {type(error).__name__}: {error.msg}"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -189,11 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         # the reader went away (`| head`): nothing more to say to it, and nothing left for Python to flush
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PIPE_CLOSED
-    except Exception as error:  # noqa: BLE001 - only a file that fails to load is turned into a line
-        message = broken_file_message(error)
-        if message is None:
-            raise
-        return _refused(message)
 
 
 def _refused(message: str) -> int:

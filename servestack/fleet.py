@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from fnmatch import fnmatch
+from traceback import walk_tb
 from pathlib import Path
 from typing import Iterable
 
@@ -39,6 +40,34 @@ def load_inventory(path: str | Path, override_data: dict | None = None) -> Inven
             return cli.inventory.make_inventory(str(path), override_data=override_data or None, cwd=os.getcwd())
         except cli.exceptions.CliError as error:
             raise ConfigError(f"{path}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - only a file that fails to load is turned into a line
+            message = broken_file_message(error)
+            if message is None:
+                raise
+            raise ConfigError(message) from None
+
+
+def broken_file_message(error: BaseException) -> str | None:
+    """One line for an inventory or group-data file that fails to load (a Python error in it,
+    wrapped by pyinfra's loader or raised directly): the file, the line and the error; None for
+    any other exception (a bug, shown with its traceback)."""
+    UnexpectedExternalError = import_pyinfra_cli().exceptions.UnexpectedExternalError
+    if isinstance(error, UnexpectedExternalError):
+        filename, inner = str(error.filename), error.exception
+        frames = walk_tb(getattr(inner, "_traceback", None) or inner.__traceback__)
+        lines = [line for frame, line in frames if frame.f_code.co_filename.endswith(os.path.basename(filename))]
+        if isinstance(inner, SyntaxError):
+            return _syntax_error_message(inner, filename)
+        where = f"{filename} line {lines[-1]}" if lines else filename
+        return f"{where}: {type(inner).__name__}: {inner}"
+    if isinstance(error, SyntaxError):
+        return _syntax_error_message(error, error.filename)
+    return None
+
+
+def _syntax_error_message(error: SyntaxError, filename: str | None) -> str:
+    where = f"{filename or error.filename} line {error.lineno}" if error.lineno else str(filename or error.filename)
+    return f"{where}: {type(error).__name__}: {error.msg}"
 
 
 def _matches(inventory: Inventory, pattern: str) -> list:

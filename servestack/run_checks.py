@@ -14,6 +14,7 @@ to have them run before connecting.
 
 from __future__ import annotations
 
+import os
 import sys
 from weakref import WeakSet
 
@@ -22,7 +23,7 @@ from pyinfra_cli.exceptions import CliError
 
 from servestack import runreport
 from servestack.errors import ConfigError
-from servestack.fleet import group_data_of, unused_group_data
+from servestack.fleet import group_data_of, load_inventory, unused_group_data
 from servestack.manifest import PROJECT_ROOT
 from servestack.preconnect import inventory_file_problem, validate_connection_data, validate_targets
 from servestack.pyinfra_hooks import cli_argument, enable_tcp_nodelay, validate_after_inventory_load
@@ -77,13 +78,26 @@ def _inventory_loaded(state) -> None:
 
 
 def before_connecting(state) -> None:
-    """config.py: refuse a missing inventory file now, check the rest once pyinfra has loaded it."""
-    missing_inventory = inventory_file_problem(cli_argument("inventory"))
-    if missing_inventory:   # shown as the CLI shows its own errors: an error raised here would name this line
-        CliError(missing_inventory).show()
+    """config.py: refuse a missing or broken inventory file now, check the rest once pyinfra has loaded it."""
+    unusable = inventory_file_problem(cli_argument("inventory")) or broken_inventory(cli_argument("inventory"))
+    if unusable:   # shown as the CLI shows its own errors: an error raised here would name this line
+        CliError(unusable).show()
         sys.exit(1)
     validate_after_inventory_load(state, _inventory_loaded, before_init=_inventory_read)
     enable_tcp_nodelay()
+
+
+def broken_inventory(inventory: str | None) -> str | None:
+    """One line for an inventory file (or its group data) that fails to load: pyinfra would print "An internal
+    exception occurred", a traceback, and write pyinfra-debug.log. The file is loaded as every servestack
+    command loads it; pyinfra then loads it again (an inventory is data: loading it twice changes nothing)."""
+    if not inventory or not os.path.isfile(inventory):
+        return None   # not a file: host names, or a missing file inventory_file_problem named
+    try:
+        load_inventory(inventory)
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 def after_connecting(state) -> None:

@@ -541,6 +541,27 @@ def test_a_broken_inventory_is_one_line_naming_the_file_and_line(tmp_path, monke
     assert re.match(expected, err.strip()), err
 
 
+@pytest.mark.parametrize("name, inventory, group_data, line", [
+    ("dep_syntax", 'hosts = ["gpu-1.example"\n', None, "dep_syntax.py line 1: SyntaxError: '[' was never closed"),
+    ("dep_group_data", 'hosts = ["gpu-1.example"]\n', "x = undefined_name\n",
+     "group_data/all.py line 1: NameError: name 'undefined_name' is not defined"),
+    ("dep_raises", 'hosts = ["gpu-1.example"]\nfail = 1 / 0\n', None,
+     "dep_raises.py line 2: ZeroDivisionError: division by zero"),
+])
+def test_the_deploy_refuses_a_broken_inventory_in_one_line_without_a_debug_log(tmp_path, name, inventory,
+                                                                               group_data, line):
+    """pyinfra alone printed "An internal exception occurred" with a traceback and wrote pyinfra-debug.log."""
+    (tmp_path / f"{name}.py").write_text(inventory)
+    if group_data:
+        (tmp_path / "group_data").mkdir()
+        (tmp_path / "group_data" / "all.py").write_text(group_data)
+    output, returncode = _pyinfra(tmp_path / f"{name}.py", "rollback.py")
+    assert returncode == 1, output
+    assert re.search(r"--> pyinfra error: \S*" + re.escape(line) + "$", output.strip(), flags=re.MULTILINE), output
+    assert "Traceback" not in output and "internal exception" not in output
+    assert not (ROOT / "pyinfra-debug.log").exists()
+
+
 def test_servestack_sh_names_the_manifest_and_key_when_uv_version_is_missing(tmp_path):
     """servestack.sh reads uv's version from the manifest before any Python of ours runs."""
     import subprocess
