@@ -12,7 +12,7 @@ Every `servestack` command (doctor, status, verify, backups, bench, keys) ends w
     130  interrupted (Ctrl-C); 143 when terminated (SIGTERM); 141 when the reader of the output
          went away (`servestack doctor --json | head`)
 
-The deploy and the rollback are pyinfra's own commands and keep pyinfra's exit statuses (README).
+The deploy and the rollback are pyinfra's own commands and keep pyinfra's exit statuses (docs/operating.md).
 """
 
 from pyinfra.api.exceptions import PyinfraError

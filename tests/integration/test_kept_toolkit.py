@@ -1,4 +1,4 @@
-"""The kept CUDA 12.8 toolkit's fingerprint on a sandbox host (README: "The kept 12.8 toolkit's fingerprint
+"""The kept CUDA 12.8 toolkit's fingerprint on a sandbox host (docs/operating.md: "The kept 12.8 toolkit's fingerprint
 ... recorded first and checked after"): the toolkit step records it, `servestack verify`'s kept_toolkits
 check compares. A file rewritten with its size unchanged fails the check; a record written before
 fingerprints had the files' modification times passes, and the next converge adds them once.

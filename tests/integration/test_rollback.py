@@ -4,7 +4,7 @@ The venv steps alone (deploys/venv_rollback.py, a VenvLab host): refuse with not
 to the adopted env, idempotent, roll forward without a rebuild, and to an explicit release.
 
 The real rollback.py after the real deploy.py (a dressed lab host under service_speculation = "auto",
-whose stand-in server loses with speculation: the deploy keeps the baseline), as README's "Rollback"
+whose stand-in server loses with speculation: the deploy keeps the baseline), as docs/operating.md's "Rollback"
 says: refused unchanged with nothing to return to; the unit re-rendered for the re-activated release
 (its ExecStart), restarted through the health gate, serving the profile as written under "auto" without
 a benchmark; a second rollback changes nothing; deploy.py rolls forward without a benchmark; a release

@@ -328,9 +328,9 @@ def test_sandboxes_run_side_by_side_and_hosts_outlive_their_process(booted, sand
     assert booted.exec("h1", "true").returncode == 0
 
 
-# -- the sandbox commands, as README.md shows them ---------------------------------------------------
+# -- the sandbox commands, as docs/sandbox.md shows them ---------------------------------------------------
 
-# README.md's "Sandbox commands", verbatim: the sandbox is "default" there, named by SERVESTACK_SANDBOX here.
+# docs/sandbox.md's "Sandbox commands", verbatim: the sandbox is "default" there, named by SERVESTACK_SANDBOX here.
 README_COMMANDS = {
     "up": './servestack.sh sandbox up --hosts 3 [--gpu "NVIDIA H200" --capability 9.0 --driver 580.159.04] '
           '[--user ubuntu]',
@@ -341,8 +341,8 @@ README_COMMANDS = {
 }
 
 
-def test_the_readme_shows_the_sandbox_commands_tested_here():
-    block = (REPO / "README.md").read_text().split("## Sandbox commands", 1)[1].split("```")[1]
+def test_the_docs_show_the_sandbox_commands_tested_here():
+    block = (REPO / "docs" / "sandbox.md").read_text().split("## Sandbox commands", 1)[1].split("```")[1]
     assert [line for line in block.splitlines()[1:] if line.strip()] == list(README_COMMANDS.values())
 
 
@@ -358,7 +358,7 @@ class CliSandbox:
 
 
 def readme_command(action: str, name: str) -> subprocess.CompletedProcess[str]:
-    """README's `action` command, with the optional parts it shows, for the sandbox `name`."""
+    """docs/sandbox.md's `action` command, with the optional parts it shows, for the sandbox `name`."""
     text = README_COMMANDS[action].replace("[", "").replace("]", "")
     argv = shlex.split(text.replace("/servestack-sandbox/default/", f"/servestack-sandbox/{name}/"))
     return sandbox_cli(argv[2:], name)
