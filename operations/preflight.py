@@ -37,7 +37,7 @@ from facts.batch import FactRequest
 from facts.gpu import GpuReport, NvidiaGpus
 from facts.host import DiskSpace, HostLock, LockState, parse_lock, release_lock_command, take_lock_command
 from facts.preflight import PreflightFacts
-from facts.toolkit import CudaToolkits, ToolkitState, toolkit_fact_arguments
+from facts.toolkit import CudaToolkits, RunfileDigest, ToolkitState, toolkit_fact_arguments
 from operations import service
 from operations.toolkit import (
     assess_install,
@@ -46,6 +46,7 @@ from operations.toolkit import (
     link_line,
     prestaged_problem,
     read_runfile_digest,
+    runfile_to_verify,
 )
 from servestack import reads
 from servestack.checks.gpus import GpuExpectation
@@ -114,11 +115,25 @@ def read_preflight(host_, settings: Settings, also: Sequence[FactRequest] = (), 
     command of its own; the toolkit step reuses that read in this stage). `lock`: the lock as the
     caller has just taken it (not read)."""
     own = _checked_reads(settings) + ([] if lock else [_lock_read(settings)])
-    gpu, disks, toolkit, curl, unit_state, account, useradd, *read_lock = reads.read(host_, [*own, *also])[:len(own)]
+    values = reads.read(host_, [*own, *also])[:len(own)]
+    toolkit = values[2]
     runfile_digest = read_runfile_digest(host_, settings, toolkit) if digest and toolkit else None
+    return preflight_facts(values, lock, runfile_digest)
+
+
+def preflight_facts(values: Sequence, lock: LockState | None = None, runfile_digest=None) -> PreflightFacts:
+    """The values of `host_reads` (in its order; the lock last, unless `lock` is the one just taken) as
+    what the checks judge; `runfile_digest`: the value of `digest_read`, where there is one."""
+    gpu, disks, toolkit, curl, unit_state, account, useradd, *read_lock = values
     return PreflightFacts(gpu=gpu, disks=disks, lock=lock or read_lock[0], toolkit=toolkit,
                           runfile_digest=runfile_digest,
                           service=(bool(curl), unit_state or {}, account or {}, bool(useradd)))
+
+
+def digest_read(settings: Settings, toolkit: ToolkitState | None) -> FactRequest | None:
+    """The runfile digest the checks need (an install is due and a full-size runfile is there), or None."""
+    path = runfile_to_verify(settings, toolkit) if toolkit else None
+    return FactRequest.of(RunfileDigest, path=path) if path else None
 
 
 def check_driver(settings: Settings, gpu: GpuReport) -> CheckResult:

@@ -23,12 +23,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from operations.preflight import CHECKS, CheckResult, evaluate, read_preflight
+from operations.preflight import CHECKS, CheckResult, digest_read, evaluate, host_reads, preflight_facts
 from servestack.errors import EXIT_BAD_INPUT, ConfigError, exit_status
 from servestack.fleet import group_data_of, limited, load_inventory, unused_group_data
-from servestack.preconnect import connection_problems, targets_problems
+from servestack.preconnect import targets_problems
 from servestack.settings import host_settings
-from servestack.verify import report_console
+from servestack.verify import Target, Unreachable, read_all, report_console, target_for
 
 REPORT_CHECKS = ("settings", "connect")
 
@@ -97,54 +97,51 @@ def render_table(reports: dict[str, HostReport], console=None, unused: Iterable[
                   if failed else f"[green]all {len(reports)} hosts pass preflight[/]")
 
 
-def _load(inventory_path: str, limit: Iterable[str] | None):
-    """A pyinfra State initialised with the inventory; the hosts in the limit."""
-    from pyinfra.api import Config, State
-
+def collect(inventory_path: str, limit: Iterable[str] | None = None,
+            environ=None) -> tuple[dict[str, HostReport], list[str]]:
+    """Every host's report, and the group data that applies to no host; nothing is changed on any host.
+    A host the deploy would refuse before connecting (servestack/preconnect.py, the same lines) is not
+    contacted; the others are read as every `servestack` report reads hosts (servestack/verify.py
+    `read_all`: one remote command each, in parallel), with the facts preflight reads."""
     inventory = load_inventory(inventory_path)
     hosts = limited(inventory, limit or ())
-    # pyinfra sets up every host's connector in State.init, and stops at the first bad value, naming no host
-    unusable = [line for host in inventory for line in connection_problems(host)]
-    if unusable:
-        raise ConfigError(f"{inventory_path}: cannot check the hosts:\n" + "\n".join(unusable))
-    state = State()
-    state.init(inventory, Config(), initial_limit=hosts)
-    return state, hosts
-
-
-def _check_host(state, host, refusals: list[str]) -> HostReport:
-    from pyinfra.api.exceptions import ConnectError, PyinfraError
-    from pyinfra.context import ctx_host, ctx_state
-
-    if refusals:
-        return report_for(host.name, None, None, refusals)
-    settings, groups = host_settings(host), group_data_of(host)
-    with ctx_state.use(state), ctx_host.use(host):
-        try:
-            host.connect(show_errors=False, raise_exceptions=True)
-        except ConnectError as error:
-            return report_for(host.name, settings, None, (), f"cannot connect: {error}", groups)
-        state.activate_host(host)
-        try:
-            facts = read_preflight(host, settings)
-        except PyinfraError as error:
-            return report_for(host.name, settings, None, (), f"cannot read the host: {error}", groups)
-    return report_for(host.name, settings, facts, groups=groups)
-
-
-def collect(state, hosts, environ=None) -> dict[str, HostReport]:
-    """Every host's report, read in parallel; nothing is changed on any host. A host the deploy would
-    refuse before connecting (servestack/preconnect.py, the same lines) is not contacted."""
-    import gevent
-
     refusals = {host.name: targets_problems([host], environ) for host in hosts}
-    greenlets = {host.name: state.pool.spawn(_check_host, state, host, refusals[host.name]) for host in hosts}
-    gevent.joinall(list(greenlets.values()))
-    reports = {name: greenlet.get() for name, greenlet in greenlets.items()}
+    targets = _targets(hosts, refusals)
+    found = read_all(list(targets.values()), lambda target: host_reads(target.settings))
+    digests = _runfile_digests(targets, found)
+    reports = {host.name: _report(host, refusals[host.name], targets.get(host.name), found.get(host.name),
+                                  digests.get(host.name)) for host in hosts}
+    return reports, unused_group_data(inventory)
+
+
+def _targets(hosts, refusals: dict[str, list[str]]) -> dict[str, Target]:
+    """A Target for each host not refused; a host whose connector the reports cannot use is refused."""
+    targets = {}
     for host in hosts:
-        if host.connected:
-            host.disconnect()
-    return reports
+        if not refusals[host.name]:
+            try:
+                targets[host.name] = target_for(host, host_settings(host))
+            except ConfigError as error:
+                refusals[host.name] = [str(error)]
+    return targets
+
+
+def _report(host, refusals: list[str], target: Target | None, value, digest) -> HostReport:
+    if refusals or target is None:
+        return report_for(host.name, None, None, refusals)
+    groups = group_data_of(host)
+    if isinstance(value, Unreachable):
+        return report_for(host.name, target.settings, None, (), f"cannot connect: {value}", groups)
+    return report_for(host.name, target.settings, preflight_facts(value, runfile_digest=digest), groups=groups)
+
+
+def _runfile_digests(targets: dict[str, Target], found: dict) -> dict:
+    """The runfile digest of each host whose checks need one (an install is due, a full-size runfile is
+    there): a second read of those hosts, as the deploy's preflight makes it."""
+    wanted = {name: request for name, value in found.items() if not isinstance(value, Unreachable)
+              and (request := digest_read(targets[name].settings, value[2]))}
+    read = read_all([targets[name] for name in wanted], lambda target: [wanted[target.name]])
+    return {name: value[0] for name, value in read.items() if not isinstance(value, Unreachable)}
 
 
 def doctor_status(reports: dict[str, HostReport]) -> int:
@@ -162,9 +159,7 @@ def doctor_status(reports: dict[str, HostReport]) -> int:
 
 def doctor_main(inventory_path: str, limit: Iterable[str] | None = None, as_json: bool = False) -> int:
     """Print the preflight report of the inventory's hosts, with the contract's exit status."""
-    state, hosts = _load(inventory_path, limit)
-    reports = collect(state, hosts)
-    unused = unused_group_data(state.inventory)
+    reports, unused = collect(inventory_path, limit)
     if as_json:
         print(render_json(reports, unused))
     else:

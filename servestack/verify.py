@@ -300,13 +300,19 @@ def targets_from_inventory(path: str | Path, limit: Iterable[str] | None = None,
             problems.append(f"host {host.name}: {problem}")
             continue
         try:
-            backend = backend_for(host)
-            targets.append(Target(host.name, settings[host.name], backend.connect, backend.describe()))
+            targets.append(target_for(host, settings[host.name]))
         except ConfigError as error:
             problems.append(str(error))
     if problems:
         raise ConfigError(f"{path}: cannot {action}:\n" + "\n".join(problems))
     return targets
+
+
+def target_for(host, settings: Settings) -> Target:
+    """The Target reaching an inventory host as pyinfra would (its connector's testinfra backend);
+    ConfigError for a connector the reports cannot use."""
+    backend = backend_for(host)
+    return Target(host.name, settings, backend.connect, backend.describe())
 
 
 def targets_from_testinfra(hostspecs: list[str], data: dict | None = None, **options) -> list[Target]:
