@@ -639,7 +639,8 @@ def patch_check(tmp_path: Path, sums: str | None, python: str | None = None, hea
            "HOLD": SUMS_HOLD}
     if sums is not None:
         (tmp_path / "record.json.sha256").write_text(sums)
-    result = subprocess.run(["bash", "-c", script_command(SCRIPT, env=env)], input='{"from": "python"}\n',
+    result = subprocess.run(["bash", "-c", script_command(SCRIPT, "SETS", "REQUEST", env=env)],
+                            input='{"from": "python"}\n',
                             capture_output=True, text=True)
     return {"rc": result.returncode, "out": result.stdout.splitlines(),
             "python": (tmp_path / "started").is_file()}

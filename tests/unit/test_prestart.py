@@ -34,7 +34,7 @@ def run(params: dict | None) -> subprocess.CompletedProcess:
 
 def test_without_its_parameters_it_exits_2_with_its_usage():
     out = run(None)
-    assert out.returncode == 2 and out.stderr.startswith("usage: python -I -c SGLANG_PRESTART_PY PARAMS_JSON")
+    assert out.returncode == 2 and out.stderr.startswith("usage: sglang-prestart.py PARAMS_JSON")
 
 
 def test_a_python_without_sglang_is_refused_naming_the_release_and_profile():
