@@ -106,18 +106,27 @@ class Unread(Exception):
         self.request = request
 
 
-def batches(requests: list[FactRequest]) -> list[tuple[FactRequest, ...]]:
-    """The requests in as few groups as fit in one remote command each."""
+def batches(requests: list[FactRequest], quotes: int = 0) -> list[tuple[FactRequest, ...]]:
+    """The requests in as few groups as fit in one remote command each. `quotes`: how many times the
+    transport shell-quotes the command on its way (each quote turns a `'` into five characters, so a
+    script full of them grows fast): sizes are measured as they arrive (testinfra's SSH backend with sudo
+    quotes three times: `sh -c`, `sudo /bin/sh -c`, and its local `ssh ... CMD` run by /bin/sh)."""
     groups: list[list[FactRequest]] = [[]]
     size = 0
     for request in requests:
-        length = len(request.command()) + 100
+        length = len(quoted(request.command(), quotes)) + 100
         if groups[-1] and size + length > MAX_COMMAND_CHARS:
             groups.append([])
             size = 0
         groups[-1].append(request)
         size += length
     return [tuple(group) for group in groups if group]
+
+
+def quoted(command: str, times: int) -> str:
+    for _ in range(times):
+        command = shlex.quote(command)
+    return command
 
 
 def section_name(index: int) -> str:

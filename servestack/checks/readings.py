@@ -132,6 +132,11 @@ def requests(settings: Settings, group: str, readings: Readings | None = None, *
     raise ValueError(f"no such group of reads: {group}")
 
 
+# servestack/verify.py `Target.run_command` runs `sh -c CMD` through testinfra, whose SSH backend quotes it for
+# `sudo /bin/sh -c` and again for its local `ssh HOST CMD` (testinfra/backend/base.py get_sudo_command, run_local)
+TESTINFRA_QUOTES = 3
+
+
 def read_groups(readings: Readings, settings: Settings, groups, read: Callable[[list[FactRequest]], list],
                 also: Sequence[FactRequest] = (), **options) -> list:
     """Read `groups` (their `requests(..., **options)`) and `also` with `read(requests) -> values`,
@@ -149,11 +154,12 @@ def in_order(groups) -> tuple[str, ...]:
     return tuple(group for group in GROUPS if group in wanted)
 
 
-def read_batch(run: Callable[[str], str], wanted: list[FactRequest]) -> list:
+def read_batch(run: Callable[[str], str], wanted: list[FactRequest], quotes: int = TESTINFRA_QUOTES) -> list:
     """The values of `wanted`, read with `run(command) -> its stdout` (one command per batch that
-    fits, facts/batch.py). Raises RuntimeError naming a fact whose command failed."""
+    fits as it arrives after `quotes` shell quotings, facts/batch.py). Raises RuntimeError naming a fact
+    whose command failed."""
     values = []
-    for group in batches(wanted):
+    for group in batches(wanted, quotes):
         sections = split(run(FactBatch().command(group)).splitlines())
         for index, request in enumerate(group):
             section = sections.get(section_name(index), NOT_READ)

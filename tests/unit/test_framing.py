@@ -251,6 +251,20 @@ def test_large_batches_are_split_under_the_argument_limit():
     assert batches([]) == [] and batches(requests[:1]) == [tuple(requests[:1])]
 
 
+def test_batches_are_measured_as_they_arrive_after_the_transports_quoting():
+    """testinfra over SSH with sudo quotes a command three times; a script full of `'` more than doubles:
+    the verification suite's reads of a sudo host once failed with "Argument list too long: '/bin/sh'"."""
+    from facts.batch import quoted
+
+    text = "echo 'a' 'b' 'c' " * 150            # 2.5 KB, about 49 KB once quoted three times
+    requests = [FactRequest.of(RunsScript, script=Script(str(i), text)) for i in range(6)]
+    assert len(batches(requests)) == 1                          # as sent by pyinfra over paramiko
+    over_testinfra = batches(requests, quotes=3)
+    assert len(over_testinfra) > 1
+    assert all(len(quoted(FactBatch().command(group), 3)) < 131072 for group in over_testinfra)
+    assert len(quoted(FactBatch().command(tuple(requests)), 3)) > 131072   # unsplit, it would not run
+
+
 def test_a_split_batch_still_reads_every_fact():
     requests = [FactRequest.of(RunsScript, script=Script(str(i), f"echo {i} {'x' * 40_000} >/dev/null; echo {i}"))
                 for i in range(3)]
