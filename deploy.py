@@ -9,7 +9,7 @@ step decides (the release this run leaves active) is passed to the next as an ar
 
 from pyinfra import host, state
 
-from operations import patches, preflight, prestart, service, speculation, toolkit, venv, verify
+from operations import patches, preflight, prestart, service, speculation, toolkit, venv, verify, weights
 from servestack.pyinfra_hooks import index_deploy_file
 from servestack.run_checks import after_connecting
 from servestack.settings import host_settings
@@ -21,13 +21,14 @@ index_deploy_file(__file__)  # pyinfra inspects this file's frame for every oper
 def host_reads(settings, release=None):
     """What the steps read of a host, each step's own list: read in one remote command at prepare
     (unless -y: preflight says why) and one at execute, right after the lock is taken (servestack/reads.py)."""
-    return [request for step in (preflight, toolkit, venv, patches, prestart, service, speculation, verify)
+    return [request for step in (preflight, toolkit, venv, patches, weights, prestart, service, speculation, verify)
             for request in step.host_reads(settings, release)]
 
 
 settings = host_settings(host)
 if preflight.preflight(reads=host_reads(settings),
-                       decides=[*venv.host_reads(settings), *service.deploy_reads(settings)]):
+                       decides=[*venv.host_reads(settings), *service.deploy_reads(settings),
+                                *weights.host_reads(settings)]):
     release = venv.plan()                       # None: the host was refused (no python to build with)
     if release is not None:
         preflight.lock(reads=host_reads(settings, release))
@@ -35,6 +36,7 @@ if preflight.preflight(reads=host_reads(settings),
         toolkit.cuda_toolkit()
         venv.build(release=release)
         patches.patches(release=release)
+        weights.weights(release=release)
         prestart.prestart(release=release)
         venv.activate(release=release)
         service.sglang_service(release=release)

@@ -17,6 +17,13 @@ Examples (uncomment to use):
 # Or: the control machine downloads the runfile once and uploads it to each host that lacks it.
 # cuda_runfile_from = "controller"
 
+# Model weights: each model is staged at a pinned commit before the service starts (README "Weights").
+# service_model_revision = "<40-hex commit of the profile's model>"
+# service_draft_model_revision = "<40-hex commit of its draft>"
+# service_models_dir = "/var/lib/servestack/models"
+# service_hub_endpoint = "https://hub-mirror.internal"     # an HF_ENDPOINT-style mirror
+# service_hub_token_env = "HF_TOKEN"                       # read on the control machine, never written in the unit
+
 # Service
 # service_model_path = "/models/Kimi-K2.5-NVFP4"
 # service_draft_model_path = "/models/kimi-k2.5-eagle3"

@@ -23,6 +23,9 @@ reset) and over HTTP on the same port, for tests in another process:
                                         "after": 1000, "times": 1} (fields of `Fault`; kinds: cut
                                         after N bytes, corrupt, status, slow: `after` bytes/s)
   POST /__control/reset              -> drop all faults and records
+  POST /__control/hub  {"gated": [REPO, ...]}  -> the stand-in Hub's gated repositories
+Under /hub/ it is the STAND-IN Hugging Face Hub (sandbox/standins/hub.py): the Hub's API for the
+generated model repositories, their files with the headers huggingface_hub reads.
 (`ArtifactControl` is a client for these.) Run: `python -m sandbox.artifacts --root DIR
 --bind 0.0.0.0 --port 8080 --log FILE`.
 """
@@ -34,7 +37,9 @@ import fnmatch
 import functools
 import json
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
@@ -43,6 +48,8 @@ from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from sandbox.standins import hub
 
 CONTROL_PREFIX = "/__control/"
 FAULT_KINDS = ("cut", "corrupt", "status", "slow")
@@ -175,6 +182,8 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
                 self.server.faults.add(Fault(**body))
             elif action == "reset":
                 self.server.faults.reset()
+            elif action == "hub":
+                self.server.hub.gated = set(body.get("gated", ()))
             else:
                 self.send_error(HTTPStatus.NOT_FOUND)
                 return
@@ -193,11 +202,30 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
         if fault and fault.kind == "status":
             self.send_error(fault.status)
             return
+        if url_path.startswith(hub.PREFIX + "/"):
+            self._serve_hub(url_path[len(hub.PREFIX):], head, fault, record)
+            return
         local = Path(self.translate_path(self.path))
         if local.is_file():
             self._serve_file(local, head, fault, record)
         else:
             self._serve_other(head)
+
+    def _serve_hub(self, path: str, head: bool, fault: Fault | None, record: RequestRecord) -> None:
+        """The stand-in Hub: its JSON answers, or a repository's file with the Hub's headers."""
+        answer = self.server.hub.answer(path, urlsplit(self.path).query, "Authorization" in self.headers)
+        if answer.file is not None:
+            self._serve_file(answer.file, head, fault, record, answer.headers)
+            return
+        body = json.dumps(answer.json_body).encode()
+        self.send_response(answer.status)
+        for name, value in answer.headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
 
     def _serve_other(self, head: bool) -> None:
         """Directories (index.html, redirects, listings) and 404s, as SimpleHTTPRequestHandler does."""
@@ -209,7 +237,8 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
             finally:
                 body.close()
 
-    def _serve_file(self, local: Path, head: bool, fault: Fault | None, record: RequestRecord) -> None:
+    def _serve_file(self, local: Path, head: bool, fault: Fault | None, record: RequestRecord,
+                    headers: dict[str, str] | None = None) -> None:
         size = local.stat().st_size
         wanted = parse_range(self.headers.get("Range"), size)
         if isinstance(wanted, str):  # "unsatisfiable"
@@ -228,6 +257,8 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
         self.send_header("Content-Length", str(last - first + 1))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Last-Modified", self.date_time_string(int(local.stat().st_mtime)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         if not head:
             try:
@@ -310,9 +341,15 @@ class ArtifactHTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], root: Path, log_path: Path | None = None):
         self.root = Path(root)
         self.faults = FaultTable()
+        self._hub_dir = tempfile.mkdtemp(prefix="standin-hub-")
+        self.hub = hub.HubStandin(Path(self._hub_dir))
         self._log_path = log_path
         self._log_lock = threading.Lock()
         super().__init__(address, functools.partial(ArtifactHandler, directory=str(self.root)))
+
+    def server_close(self) -> None:
+        super().server_close()
+        shutil.rmtree(self._hub_dir, ignore_errors=True)
 
     def log(self, line: str) -> None:
         if self._log_path is None:
@@ -376,6 +413,10 @@ class ArtifactControl:
 
     def reset(self) -> None:
         self._call("reset", {})
+
+    def gate(self, repos: list[str]) -> None:
+        """Make the stand-in Hub's `repos` gated (401 GatedRepo without a token)."""
+        self._call("hub", {"gated": list(repos)})
 
     def counts(self, status: int | None = None) -> dict[str, int]:
         return self._call("counts" if status is None else f"counts?status={status}")

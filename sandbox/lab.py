@@ -27,6 +27,7 @@ from rich.table import Table
 
 from sandbox.hosts import Sandbox
 from sandbox.rootfs import cache_dir
+from sandbox.standins import hub
 from sandbox.standins.build import ArtifactSet, build_artifacts
 from sandbox.standins.host import dress_gpu_host
 from sandbox.standins.index import write_simple_index
@@ -120,8 +121,14 @@ def sandbox_manifest(path: Path, artifacts: ArtifactSet) -> Path:
         if text.count(old) != 1:
             raise RuntimeError(f"cannot place the stand-in runfile's value: {old!r} is not unique in the manifest")
         text = text.replace(old, new)
+    for repo, commit in hub.commits().items():   # the stand-in Hub's repositories, pinned
+        table = f'[service.models."{repo}"]\n'
+        if text.count(table) != 1:
+            raise RuntimeError(f"cannot pin the stand-in Hub's {repo}: {table.strip()} is not unique in the manifest")
+        text = text.replace(table, f'{table}revision = "{commit}"   # the STAND-IN Hub\'s commit\n')
     header = ("# SANDBOX COPY of files/stack.toml, written by sandbox.lab: identical but for the\n"
-              "# x86_64 runfile's size and checksums, which are those of the STAND-IN runfile.\n")
+              "# x86_64 runfile's size and checksums, which are those of the STAND-IN runfile, and the\n"
+              "# models' revisions, the STAND-IN Hub's commits (sandbox/standins/hub.py).\n")
     path.write_text(header + text)
     return path
 
@@ -186,6 +193,7 @@ class Lab:
             "service_launch_module": STANDIN_SERVER_MODULE,
             "service_env": {"PYTHONPATH": STANDIN_SERVER_DIR},
             "service_health_timeout_s": 120,
+            "service_hub_endpoint": f"{base_url}{hub.PREFIX}",
             **extra,
         }
 
@@ -230,6 +238,11 @@ class Lab:
         if self.state_dir.exists():
             self._stop_server()
         self.sandbox.down()
+
+    def reboot(self, host, *, hard: bool = True) -> None:
+        """Restart `host`'s machine (`Sandbox.reboot` says what a reboot keeps and loses); the artifact
+        server, in the controller namespace, stays up."""
+        self.sandbox.reboot(host, hard=hard)
 
     def controller_argv(self, argv: list[str]) -> list[str]:
         """`argv` wrapped to run in the controller namespace, where the hosts are reachable."""

@@ -23,6 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from servestack.manifest import PROJECT_ROOT, load_manifest
+from servestack.settings import settings_from_data
+from servestack.weights import served_path
 
 console = Console(stderr=True)
 
@@ -132,12 +134,14 @@ def check_profiles(lab, outcome: Outcome) -> None:
         profile = profiles[outcome.profiles[host.name]]
         args = server_info(lab, host).get("server_args", {})
         served = (args.get("model_path"), _algorithm(args.get("speculative_algorithm")))
-        wanted = (profile["model_path"], _algorithm(profile["speculative_algorithm"]))
+        staged = served_path(settings_from_data(host.name, {"servestack_manifest": str(lab.state_dir / "stack.toml"),
+                                                            "service_profile": outcome.profiles[host.name]}), "model")
+        wanted = (staged, _algorithm(profile["speculative_algorithm"]))   # the weights step's copy of its model
         if served != wanted:
             raise RehearsalFailed(f"{host.name} serves model {served[0]!r} with speculative algorithm {served[1]!r}; "
                                   f"its profile {outcome.profiles[host.name]!r} says {wanted[0]!r}, {wanted[1]!r}")
-        console.print(f"{host.name}: profile {outcome.profiles[host.name]}: serves {served[0]} "
-                      f"(speculative algorithm {args.get('speculative_algorithm')})",
+        console.print(f"{host.name}: profile {outcome.profiles[host.name]}: serves {profile['model_path']} "
+                      f"(speculative algorithm {args.get('speculative_algorithm')}) from {served[0]}",
                       markup=False, highlight=False, soft_wrap=True)
 
 

@@ -271,6 +271,7 @@ KILLED_STEPS = {
                "aside and installs again",
     "venv build": "the release is left unchecked, never active; the next run builds it again",
     "pre-start check": "nothing was switched; the next run checks again",
+    "model weights download": "the partial files stay in the model's directory; the next run resumes them",
     "health-gated": "the unit it was starting may be loaded without a verified healthy start; the next run "
                     "finds no healthy start recorded for it and starts it through the gate again",
 }

@@ -31,6 +31,8 @@ OWN_PREFIXES = ("servestack_", "cuda_", "gpu_", "uv_", "venv_", "service_", "ind
                 "wheel_url_", "rollout_", "patches_", "verify_")
 
 SPECULATION_POLICIES = ("on", "off", "auto")
+DEFAULT_MODELS_DIR = "/var/lib/servestack/models"
+DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,33 @@ def index_key(name: str) -> str:
 def wheel_key(package: str) -> str:
     """The host-data key of the URL of `package`'s wheel."""
     return "wheel_url_" + re.sub(r"[-_.]+", "_", package).lower()
+
+
+def commit(value):
+    """A git commit of a Hugging Face repository: 40 lowercase hex digits, never a branch or a tag (a
+    branch moves: two hosts, or one host on two days, would serve different weights)."""
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{40}", value):
+        raise Invalid("a commit of the model's repository: 40 lowercase hex digits (never a branch such as 'main')")
+    return value
+
+
+def repository_id(value):
+    """A Hugging Face repository id, 'org/name'."""
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value) or ".." in value:
+        raise Invalid("a Hugging Face repository id like 'nvidia/Kimi-K2.5-NVFP4'")
+    return value
+
+
+def env_name(value):
+    """The name of an environment variable of the control machine."""
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise Invalid("the name of an environment variable of the control machine, like 'HF_TOKEN'")
+    return value
+
+
+def is_local_path(model_path: str) -> bool:
+    """A model path that names a directory on the host (served as it is), not a repository id."""
+    return model_path.startswith("/")
 
 
 def _literal(value) -> Callable[[Manifest], Any]:
@@ -200,6 +229,27 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
             "JIT caches of the service (flashinfer, triton, ...): one '<cuda_version>-<release>' dir each"),
         Key("service_secret_env", env_names, _literal(()),
             "names of control-machine environment variables copied into the 0600 secrets file"),
+        Key("service_models_dir", abs_path, _literal(DEFAULT_MODELS_DIR),
+            "where the weights step stages each served model: one directory per repository and revision, "
+            "<dir>/<org>--<name>/<revision> (the unit's --model-path names it)"),
+        Key("service_model_revision", optional(commit), _literal(None),
+            "the commit of service_model_path's repository to stage and serve (default: the manifest's "
+            "[service.models] pin; a model the manifest pins no revision for needs it)"),
+        Key("service_draft_model_revision", optional(commit), _literal(None),
+            "the commit of service_draft_model_path's repository (default: the manifest's pin)"),
+        Key("service_model_local_copy", optional(abs_path), _literal(None),
+            "a copy of service_model_path's pinned revision already on the host (e.g. from a shared disk): "
+            "checked against the Hub's file list, sizes and hashes and served as it is, never modified; "
+            "refused with what differs"),
+        Key("service_draft_model_local_copy", optional(abs_path), _literal(None),
+            "the same for service_draft_model_path"),
+        Key("service_hub_endpoint", url, _literal(DEFAULT_HUB_ENDPOINT),
+            "the Hugging Face Hub the hosts download weights from (HF_ENDPOINT: a mirror for an air-gapped "
+            "fleet); the files' checksums stay the Hub's"),
+        Key("service_hub_token_env", optional(env_name), _literal(None),
+            "the control-machine environment variable holding a Hub token (e.g. 'HF_TOKEN'), for gated or "
+            "private models: uploaded root-only (0600) for the download and removed after it; never in the "
+            "unit, a command line, a log or the record"),
         Key("service_speculation", choice(*SPECULATION_POLICIES), _literal("on"),
             "'on': the unit runs the profile's speculative flags; 'off': without them; 'auto': a deploy that "
             "changed what the service runs benchmarks both and keeps speculation only where it wins by "
@@ -287,9 +337,27 @@ def _profiles_problems(manifest: Manifest) -> list[str]:
         where = _profile_table(name)
         found = _table_problems(where, table, specs)
         problems += found
+        problems += _profile_model_problems(where, table, manifest.service.get("models", {}))
         if not found:
             fields = {field: _profile_value(table, field) for field in PROFILE_KEYS}
             problems += [f"key '{where}.{field}': {why}" for field, why in profile_rules(fields, manifest)]
+    return problems
+
+
+def _profile_model_problems(where: str, table: dict, models) -> list[str]:
+    """A profile's model and draft are models of [service.models] (their type, architectures and pinned
+    revision), and its model_architecture is one its model's config.json declares."""
+    if not isinstance(models, dict):
+        return []   # _models_problems says so
+    problems = [f"key '{where}.{field}': expected a model of the manifest's [service.models] (its model_type, "
+                f"architectures and pinned revision), got {table[field]!r}"
+                for field in ("model_path", "draft_model_path")
+                if isinstance(table.get(field), str) and not is_local_path(table[field]) and table[field] not in models]
+    listed = models.get(table.get("model_path"))
+    if isinstance(listed, dict) and table.get("model_architecture") not in listed.get("architectures", ()):
+        problems.append(f"key '{where}.model_architecture': expected an architecture {table['model_path']}'s "
+                        f"config.json declares ({', '.join(listed.get('architectures', ()))}, the manifest's "
+                        f"[service.models]), got {table.get('model_architecture')!r}")
     return problems
 
 
@@ -299,7 +367,7 @@ def manifest_problems(manifest: Manifest) -> list[str]:
     refuse or a profile whose values do not fit together."""
     problems = []
     sections: tuple[tuple[str, dict[str, tuple[Checker, str]], tuple[str, ...]], ...] = (
-        ("venv", VENV_KEYS, ()), ("service", SERVICE_KEYS, ("profiles", "speculation_benchmark")))
+        ("venv", VENV_KEYS, ()), ("service", SERVICE_KEYS, ("profiles", "speculation_benchmark", "models")))
     for section, specs, also in sections:
         required = {name: (check, True) for name, (check, _meaning) in specs.items()}
         problems += _table_problems(section, getattr(manifest, section), required, also)
@@ -310,8 +378,37 @@ def manifest_problems(manifest: Manifest) -> list[str]:
     else:
         problems += _table_problems("service.speculation_benchmark", benchmark,
                                     {name: (check, True) for name, check in BENCHMARK_KEYS.items()})
+    problems += _models_problems(manifest)
     problems += _profiles_problems(manifest)
     return [f"{manifest.path}: {problem}" for problem in problems]
+
+
+# [service.models."<org>/<name>"]: what a served model's config.json declares, and its pinned commit.
+MODEL_KEYS = {  # field: (checker, required)
+    "model_type": (word, True),
+    "architectures": (string_list, True),
+    "revision": (commit, False),
+}
+
+
+def _models_problems(manifest: Manifest) -> list[str]:
+    models = manifest.service.get("models", {})
+    if not isinstance(models, dict) or not all(isinstance(table, dict) for table in models.values()):
+        return ["key 'service.models': expected tables like [service.models.\"nvidia/Kimi-K2.5-NVFP4\"], "
+                f"got {models!r}"]
+    problems = []
+    for name, table in models.items():
+        try:
+            repository_id(name)
+        except Invalid as problem:
+            problems.append(f"key 'service.models.\"{name}\"': expected {problem}")
+        problems += _table_problems(f'service.models."{name}"', table, MODEL_KEYS)
+    return problems
+
+
+def manifest_models(manifest: Manifest) -> dict[str, dict]:
+    """The manifest's [service.models] tables, by repository id."""
+    return manifest.service.get("models", {})
 
 
 def check_manifest_defaults(manifest: Manifest) -> None:

@@ -110,6 +110,19 @@ def benchmark_unit_path(settings: Settings, rel: Release, configuration: str) ->
     return f"{rel.dir}/{settings.service_name}.{configuration}"
 
 
+# -- model weights (service_models_dir) -------------------------------------------------------------
+
+def model_dir(settings: Settings, repo: str, revision: str) -> str:
+    """Where the weights step stages one revision of a repository: <models_dir>/<org>--<name>/<revision>
+    (the Hub cache's own way of naming a repository in one path component)."""
+    return f"{settings.service_models_dir.rstrip('/')}/{repo.replace('/', '--')}/{revision}"
+
+
+def weights_record_path(directory: str) -> str:
+    """The weights step's record of what it verified in a staged model directory, beside it."""
+    return f"{directory}.verified.json"
+
+
 # -- releases ---------------------------------------------------------------------------------------
 
 def patch_record_path(release: Release) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from servestack.paths import release_cache_dir, service_home_dir
 from servestack.releases import Release
 from servestack.settings import Settings
+from servestack.weights import served_path
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GENERATE_REQUEST = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -27,7 +28,7 @@ def speculative_arguments(settings: Settings) -> list[str]:
         return []
     args = ["--speculative-algorithm", settings.service_speculative_algorithm]
     if settings.service_draft_model_path is not None:
-        args += ["--speculative-draft-model-path", settings.service_draft_model_path]
+        args += ["--speculative-draft-model-path", served_path(settings, "draft")]
     return args + ["--speculative-num-steps", str(settings.service_speculative_num_steps),
                    "--speculative-eagle-topk", str(settings.service_speculative_eagle_topk),
                    "--speculative-num-draft-tokens", str(settings.service_speculative_num_draft_tokens)]
@@ -36,7 +37,7 @@ def speculative_arguments(settings: Settings) -> list[str]:
 def launch_arguments(settings: Settings, speculation: bool = True) -> list[str]:
     """`sglang.launch_server` arguments of the host's service profile and host data; with
     `speculation=False`, the same without the speculative flags (the profile's baseline)."""
-    args = ["--model-path", settings.service_model_path, "--tp", str(settings.service_tp)]
+    args = ["--model-path", served_path(settings, "model"), "--tp", str(settings.service_tp)]
     if speculation:
         args += speculative_arguments(settings)
     args += ["--attention-backend", settings.service_attention_backend]

@@ -59,6 +59,13 @@ class Settings:
     rollout_failure_budget: int
     service_cache_dir: str
     service_secret_env: tuple[str, ...]
+    service_models_dir: str
+    service_model_revision: str | None
+    service_draft_model_revision: str | None
+    service_model_local_copy: str | None
+    service_draft_model_local_copy: str | None
+    service_hub_endpoint: str
+    service_hub_token_env: str | None
     service_speculation: str
     service_speculation_min_gain: float
     verify_reuse: bool

@@ -9,11 +9,12 @@ import pytest
 
 from pyinfra_run import apply
 from sandbox.rehearse import Outcome, assign_profiles, profile_names, server_info, verify
+from sandbox.standins import hub
 from servestack.manifest import load_manifest
 
 pytestmark = pytest.mark.integration
 
-SERVICE_OPERATIONS = ("Unit sglang.service", "Health-gated restart of sglang.service")
+SERVICE_OPERATIONS = ("Unit sglang.service", "Health-gated restart of sglang.service", "Stage model weights")
 STACK_OPERATIONS = ("Back up the ML environment", "Build release", "Apply SGLang source patches",
                     "SGLang pre-start check", "Activate release", "Prune old releases", "Service JIT cache directory")
 
@@ -26,13 +27,17 @@ STACK_OPERATIONS = ("Back up the ML environment", "Build release", "Apply SGLang
 SERVICE = ["--host", "0.0.0.0", "--port", "30000"]
 SPECULATION = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
                "--speculative-num-draft-tokens", "4"]
+MODELS = "/var/lib/servestack/models"   # each repository staged at the stand-in Hub's commit (the weights step)
+COMMITS = hub.commits()
 ARGV = {
-    "kimi-k2.5-eagle3": ["--model-path", "nvidia/Kimi-K2.5-NVFP4", "--tp", "8",
-                         "--speculative-algorithm", "EAGLE3",
-                         "--speculative-draft-model-path", "lightseekorg/kimi-k2.5-eagle3", *SPECULATION,
+    "kimi-k2.5-eagle3": ["--model-path", f"{MODELS}/nvidia--Kimi-K2.5-NVFP4/{COMMITS['nvidia/Kimi-K2.5-NVFP4']}",
+                         "--tp", "8", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                         f"{MODELS}/lightseekorg--kimi-k2.5-eagle3/{COMMITS['lightseekorg/kimi-k2.5-eagle3']}",
+                         *SPECULATION,
                          "--attention-backend", "flashinfer", "--trust-remote-code", "--enable-torch-symm-mem",
                          *SERVICE],
-    "glm-5-mtp": ["--model-path", "festr2/GLM-5-NVFP4-MTP", "--tp", "8", "--speculative-algorithm", "NEXTN",
+    "glm-5-mtp": ["--model-path", f"{MODELS}/festr2--GLM-5-NVFP4-MTP/{COMMITS['festr2/GLM-5-NVFP4-MTP']}",
+                  "--tp", "8", "--speculative-algorithm", "NEXTN",
                   *SPECULATION, "--attention-backend", "flashinfer", "--quantization", "modelopt_fp4",
                   "--kv-cache-dtype", "bf16", *SERVICE, "--disable-custom-all-reduce"],   # extra_args last
 }

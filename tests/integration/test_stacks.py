@@ -14,7 +14,7 @@ import pytest
 from pyinfra_run import apply, dry_run, run_pyinfra
 from sandbox.lab import sandbox_manifest
 from sandbox.rehearse import assign_profiles
-from sandbox.standins import closure
+from sandbox.standins import closure, hub
 from sandbox.standins.index import NEWER
 from sandbox.standins.wheels import build_wheel, standin_wheel
 from servestack.manifest import load_manifest
@@ -61,8 +61,10 @@ def test_each_profile_builds_its_own_stack_and_the_models_it_needs_can_start(lab
     assert "+ transformers==5.8.1" in glm_diff and "~ torch 2.9.1+cu128 -> 2.11.0" in glm_diff
     first = apply(the_lab)
     assert "SGLang's pre-start check of release" in first.output
-    # the models are hub ids the sandbox hosts do not have: the check says what it could not check
-    assert "not checked: the model configuration checks: nvidia/Kimi-K2.5-NVFP4 has no config.json" in first.output
+    # the weights step staged the stand-in Hub's model (its config.json the real model's type and architecture)
+    # before the check: SGLang's ServerArgs ran with that model config
+    staged = f"/var/lib/servestack/models/nvidia--Kimi-K2.5-NVFP4/{hub.commits()['nvidia/Kimi-K2.5-NVFP4']}"
+    assert f"checked: ServerArgs ({staged}'s model config, every setting)" in first.output
     assert "checked: SGLang's argument parser accepts the unit's command line" in first.output
     kimi, glm = (active_release(the_lab, host) for host in the_lab.hosts)
     assert kimi["id"] != glm["id"]

@@ -24,10 +24,11 @@ LAYERS = {
     0: ("servestack", "servestack.errors", "servestack.manifest", "servestack.values", "servestack.keys",
         "servestack.strict_keys", "servestack.profiles", "servestack.settings", "servestack.targets",
         "servestack.patchlib", "servestack.patchsets", "servestack.paths", "servestack.releases",
-        "servestack.serving", "servestack.speculation_policy", "servestack.stack_hashes", "servestack.checks.outcome"),
+        "servestack.serving", "servestack.speculation_policy", "servestack.stack_hashes", "servestack.checks.outcome",
+        "servestack.weights"),
     # L1 facts and host-side code: what reads a host and runs commands there, and the checks' judges
     1: ("facts", "facts.batch", "facts.framing", "facts.gpu", "facts.host", "facts.patches", "facts.preflight",
-        "facts.service", "facts.toolkit", "facts.venv", "facts.verify",
+        "facts.service", "facts.toolkit", "facts.venv", "facts.verify", "facts.weights",
         "servestack.hostrun", "servestack.reads", "servestack.scripts", "servestack.pyinfra_hooks",
         "servestack.download", "servestack.runreport",
         "servestack.checks", "servestack.checks.catalogue", "servestack.checks.gpus", "servestack.checks.parse",
@@ -35,7 +36,7 @@ LAYERS = {
         "servestack.checks.toolkit"),
     # L2 operations: the steps
     2: ("operations", "operations.patches", "operations.preflight", "operations.prestart", "operations.service",
-        "operations.speculation", "operations.toolkit", "operations.venv", "operations.verify"),
+        "operations.speculation", "operations.toolkit", "operations.venv", "operations.verify", "operations.weights"),
     # L3 entry points: what pyinfra and the CLI run
     3: ("deploy", "rollback", "config", "inventory", "servestack.cli", "servestack.doctor", "servestack.status",
         "servestack.verify", "servestack.bench", "servestack.backups", "servestack.preconnect", "servestack.fleet",

@@ -585,9 +585,10 @@ def test_the_active_release_is_named_through_a_linked_releases_dir(h200):
 
 
 def documented_environment(settings, release: str = "r-0123456789ab") -> dict:
-    """A converged service's environment, written out as docs/operating.md ("service": CUDA 13.0 pinned in its environment)
-    and docs/design.md (the JIT caches of one toolkit + release under /var/cache/servestack/flashinfer/) describe
-    the unit: the manifest's toolkit first, the release's python, the service user's home, then host data."""
+    """A converged service's environment, written out as docs/operating.md ("service": CUDA 13.0 pinned in its
+    environment) and docs/design.md (the JIT caches of one toolkit + release under
+    /var/cache/servestack/flashinfer/) describe the unit: the manifest's toolkit first, the release's python,
+    the service user's home, then host data."""
     cuda, venv = settings.cuda_install_path, f"{settings.venv_releases_dir}/{release}/venv"
     cache = f"/var/cache/servestack/flashinfer/13.0.1-{release}"
     return {"CUDA_HOME": cuda, "CUDA_PATH": cuda,
