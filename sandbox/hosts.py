@@ -197,7 +197,7 @@ class Sandbox:
             raise SandboxError(f"sandbox {self.name!r} is already up (state in {self.state_dir}); run down first")
         links = network.choose_links(n, network.machine_networks())
         refuse_without_inotify_room(n)
-        rootfs = self.rootfs or ensure_rootfs(log=self.log)
+        rootfs = self.rootfs = self.rootfs or ensure_rootfs(log=self.log)
         started = time.monotonic()
         self._claim_state_dir()
         try:
@@ -292,6 +292,44 @@ class Sandbox:
         self.inventory_path.write_text(ssh.inventory(entries, f"pyinfra inventory of sandbox {self.name}"))
         return self.inventory_path
 
+    def reboot(self, host: Host | str, *, hard: bool = True) -> None:
+        """Restart `host`'s machine and wait until it has booted again and answers SSH.
+
+        `hard=True` is a power loss: every process in the host's cgroup is SIGKILLed at once, no unit
+        stops, nothing is flushed or unmounted by the host. `hard=False` is `systemctl reboot` on the
+        host (systemd stops its units; systemd-nspawn then exits 133). Either way the host then boots
+        from the same disk, at the same address, with the same host key and SSH identity.
+
+        Kept, as on a disk: every file the host wrote to its root tree (the overlay's upper dir),
+        /var and /opt included, whether or not it was synced (a real power loss may also lose writes
+        not yet synced: this one does not). Lost: every process and connection, /run and /tmp (tmpfs,
+        fresh at boot), the boot id. The controller's shared SSH connections to the host are closed
+        first and a new one is made by the wait for the boot.
+        """
+        host = self.host(host) if isinstance(host, str) else host
+        self._close_ssh_masters(host)
+        if hard:
+            _cut_power(host)
+        else:
+            self.exec(host, "systemctl reboot", timeout=self.stop_timeout)
+        timeout = self.stop_timeout if hard else self.boot_timeout
+        launcher = self._launchers.pop(host.name, None)
+        if launcher is not None:   # ours: reap it, or it stays a zombie of the cgroup
+            launcher.wait(timeout)
+        if not cgroups.wait_empty(host.machine, timeout):
+            raise SandboxError(f"host {host.name} did not stop for its reboot: "
+                               f"{sorted(cgroups.pids(host.machine))} still run\n{_tail(host.console_log)}")
+        # nspawn's sub-cgroups (payload/, supervisor/) of the stopped machine go with it, as at down()
+        cgroups.remove(host.machine)
+        cgroups.create(host.machine)
+        clear_propagate_dir(host.machine)
+        started = time.monotonic()
+        assert self.rootfs is not None  # recorded by up()
+        self._release(self._launch(host, self.rootfs))
+        self._wait_booted(host)
+        self.log(f"sandbox {self.name}: {host.name} rebooted ({'hard' if hard else 'systemctl reboot'}) "
+                 f"in {time.monotonic() - started:.1f} s")
+
     # -- up, step by step ----------------------------------------------------
 
     def _claim_state_dir(self) -> None:
@@ -356,7 +394,7 @@ class Sandbox:
         if any(char in str(path) for path in layers for char in ",:"):
             raise SandboxError(f"overlay paths must not contain ',' or ':': {layers}")
         for path in layers[1:]:
-            path.mkdir(parents=True)
+            path.mkdir(parents=True, exist_ok=True)   # a reboot boots from the disk (upper) the host had
         unshare = ["unshare", "--mount", "--propagation", "private"]
         launcher_argv = ["sh", "-c", LAUNCHER, "launcher", *map(str, layers)]
         with open(host.console_log, "ab") as console:
@@ -457,11 +495,13 @@ class Sandbox:
 
     # -- down, step by step --------------------------------------------------
 
-    def _close_ssh_masters(self) -> None:
-        """Stop every shared SSH connection whose socket lives in our control dir."""
+    def _close_ssh_masters(self, host: Host | None = None) -> None:
+        """Stop every shared SSH connection whose socket lives in our control dir (with `host`: to it)."""
         if not (self.control_dir and self.control_dir.is_dir()):
             return
         for socket in self.control_dir.iterdir():
+            if host is not None and not socket.name.endswith(f"@{host.address}:{host.ssh_port}"):
+                continue
             subprocess.run(
                 ["ssh", "-F", "/dev/null", "-o", f"ControlPath={socket}", "-O", "exit", "sandbox-host"],
                 capture_output=True,
@@ -527,6 +567,7 @@ class Sandbox:
             "control_dir": str(self.control_dir) if self.control_dir else None,
             "netns": self.netns,
             "cgroups": self.cgroups,
+            "rootfs": str(self.rootfs) if self.rootfs else None,   # the hosts' lower layer: a reboot boots it again
             "hosts": [host.to_json() for host in self.hosts],
         }
         partial = self.state_file.with_name(STATE_FILE + ".part")
@@ -541,6 +582,7 @@ class Sandbox:
         self.netns = list(record["netns"])
         self.cgroups = list(record["cgroups"])
         self.control_dir = Path(record["control_dir"]) if record["control_dir"] else None
+        self.rootfs = Path(record["rootfs"]) if record.get("rootfs") else self.rootfs
         self.hosts = [Host.from_json(data) for data in record["hosts"]]
 
 
@@ -582,6 +624,17 @@ def clear_propagate_dir(machine: str) -> None:
     path = NSPAWN_PROPAGATE / machine
     if path.is_dir() and not mounts_under(path):
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _cut_power(host: Host) -> None:
+    """Kill every process of `host` at once, as a power loss stops a machine.
+
+    One SIGKILL after another (`cgroups.kill`) is not a power loss: a process that outlives its child
+    by a moment runs on (busy.sh removed lock.activity that way) and forks a process the loop never
+    saw. The unified hierarchy's `cgroup.kill` kills the whole tree, new forks included, in one step.
+    """
+    (cgroups.HIERARCHIES[1] / host.machine / "cgroup.kill").write_text("1\n")
+    cgroups.kill(host.machine)   # any process of the v1 hierarchy alone (none are expected)
 
 
 def default_state_dir(name: str) -> Path:
