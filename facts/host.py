@@ -118,6 +118,7 @@ class LockState:
     info: dict | None = None
     why: str | None = None      # alive because: "connection", "busy" or "no-owner"
     activity: dict | None = None  # what a long command of a run does, or did when interrupted (busy.sh)
+    rebooted: bool = False        # stale because the host booted since it was taken
 
     @property
     def run_id(self) -> str | None:
@@ -164,7 +165,8 @@ def parse_lock(lines: list[str]) -> LockState:
             alive = flag == "1"
         elif key == "activity":
             activity = _json_object(rest)
-    return LockState(present, alive and present, info, (why or None) if alive else None, activity if present else None)
+    return LockState(present, alive and present, info, (why or None) if alive else None, activity if present else None,
+                     rebooted=present and not alive and why == "rebooted")
 
 
 class HostLock(FactBase):

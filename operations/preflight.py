@@ -268,9 +268,11 @@ def check_lock(settings: Settings, facts: PreflightFacts, run: str | None) -> Ch
         return _fail("lock", f"another servestack run holds {path}: {lock.describe()}; {lock.why_alive()}. "
                              "Wait for it to finish (remove the file only if you are sure it is gone)")
     interrupted = f", interrupted during {lock.doing()}" if lock.doing() else ""
+    gone = ("the host rebooted since: that run and every step it started are gone" if lock.rebooted
+            else "its connection is gone")
     return CheckResult("lock", "warn", f"the previous run did not finish on this host: stale lock in {path} "
-                                       f"({lock.describe()}{interrupted}; its connection is gone): replaced when "
-                                       "this run takes the lock")
+                                       f"({lock.describe()}{interrupted}; {gone}): replaced when this run takes "
+                                       "the lock")
 
 
 def check_link(settings: Settings, facts: PreflightFacts) -> CheckResult:

@@ -59,6 +59,7 @@ from servestack.errors import ConfigError
 from servestack.hostrun import REFUSED, fail_host, noop, parse_stamp, plan, refuse, while_busy
 from servestack.manifest import PROJECT_ROOT
 from servestack.paths import (
+    candidate_unit_path,
     good_unit_path,
     release_cache_dir,
     secrets_path,
@@ -285,6 +286,7 @@ def gate_environment(settings: Settings, rel: Release, unit_fingerprint: str,
     return {
         "SS_UNIT": settings.service_name,
         "SS_UNIT_PATH": unit_path(settings),
+        "SS_UNIT_CANDIDATE": candidate_unit_path(settings),
         "SS_UNIT_SOURCE": unit_source or unit_copy_path(settings, rel),
         "SS_URL": check_url(settings),
         "SS_HEALTH_TIMEOUT": str(settings.service_health_timeout_s),
@@ -645,7 +647,9 @@ def restart(release: Release, secrets_sha: str | None = None,
     in_place = reads.fact(host, Sha256File, path=unit_path(settings))
     verified_copy = reads.fact(host, Sha256File, path=good_unit_path(settings))   # `unit` puts it back in place
     unverified = sha256_text(text) not in (in_place, verified_copy)
-    if record and record.get("fingerprint") == wanted and running(state) and not elsewhere and not unverified:
+    left = state.get("FragmentPath") == candidate_unit_path(settings)   # by a gate that did not finish
+    if record and record.get("fingerprint") == wanted and running(state) and not elsewhere and not unverified \
+            and not left:
         noop(host, f"{settings.service_name} runs release {release.id} as last verified healthy; not restarted")
         return
     local_paths = local_model_paths(settings)
@@ -666,7 +670,9 @@ def restart(release: Release, secrets_sha: str | None = None,
                 f"{settings.rollout_failure_budget})"])
             return
         failures.gating(op_hash, host.name)
-    why = ("it was restarted from a unit edited since its last verified start" if elsewhere
+    why = (f"it runs {candidate_unit_path(settings)}, the unit a health gate that did not finish was starting"
+           if left and running(state)
+           else "it was restarted from a unit edited since its last verified start" if elsewhere
            else f"{unit_path(settings)} is not the unit the health gate verified, and no copy of that one is "
                 "kept: the gate installs this release's and starts it" if unverified and record and running(state)
            else "what it runs with changed" if record and running(state)

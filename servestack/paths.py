@@ -15,6 +15,7 @@ from servestack.releases import Release
 from servestack.settings import Settings
 
 UNIT_DIR = "/etc/systemd/system"
+RUNTIME_UNIT_DIR = "/run/systemd/system.control"   # overrides UNIT_DIR; tmpfs
 SECRETS_DIR = "/etc/servestack"
 VERIFICATION_RECORD = "verified.json"
 SPECULATION_RECORD = "speculation.json"
@@ -79,6 +80,12 @@ def good_unit_path(settings: Settings) -> str:
 
 def unit_path(settings: Settings) -> str:
     return f"{UNIT_DIR}/{settings.service_name}"
+
+
+def candidate_unit_path(settings: Settings) -> str:
+    """Where the health gate installs the unit it starts until it has verified it: a runtime unit, which
+    overrides unit_path's and which a reboot forgets (a host rebooted mid-gate boots the verified unit)."""
+    return f"{RUNTIME_UNIT_DIR}/{settings.service_name}"
 
 
 def secrets_path(settings: Settings) -> str:

@@ -9,7 +9,8 @@
 # lock whose connection is gone while such a command still runs is not stale.
 #
 #   read                         prints `lock <json line>` and `lock_alive 1 <why>` (why: connection,
-#                                busy, no-owner) or `lock_alive 0`, then `activity <json line>` when
+#                                busy, no-owner) or `lock_alive 0 [rebooted]` (rebooted: the host
+#                                booted since), then `activity <json line>` when
 #                                lock.activity names what a long command of a run is doing (or was
 #                                doing when its run was interrupted: files/scripts/busy.sh); nothing
 #                                when there is no lock. Exit 0.
@@ -50,16 +51,17 @@ proc_start() {   # $start: the process's start time in clock ticks (field 22 of 
 }
 boot_id() { first_line /proc/sys/kernel/random/boot_id; boot=$line; }   # $boot
 busy() { [ -e "$lock.busy" ] && command -v flock >/dev/null 2>&1 && ! flock -n "$lock.busy" true; }
-lock_alive() {   # the one definition of "not stale"; sets $why
+lock_alive() {   # the one definition of "not stale"; sets $why (why alive; why stale: rebooted or '')
     boot_id; field boot_id "$lock"
-    [ "$value" = "$boot" ] || return 1
+    [ "$value" = "$boot" ] || { why=rebooted; return 1; }
     field pid "$lock"; pid=$value
     case "$pid" in ''|null) why=no-owner; return 0 ;; esac
     why=connection
     proc_start "$pid"; field owner_start "$lock"
     [ -n "$start" ] && [ "$start" = "$value" ] && return 0
     why=busy
-    busy
+    busy && return 0
+    why=; return 1
 }
 guard() {
     require flock util-linux
@@ -79,7 +81,7 @@ case $1 in
 read)
     [ -f "$lock" ] || exit 0
     first_line "$lock"; printf 'lock %s\n' "$line"
-    if lock_alive; then echo "lock_alive 1 $why"; else echo lock_alive 0; fi
+    if lock_alive; then echo "lock_alive 1 $why"; else echo "lock_alive 0${why:+ $why}"; fi
     if [ -f "$lock.activity" ]; then first_line "$lock.activity"; printf 'activity %s\n' "$line"; fi
     ;;
 take)

@@ -1,8 +1,11 @@
 # sglang-health-gate.sh  (inputs in the environment; run as root by operations/service.py `restart`)
 #
 # The health gate for one SGLang unit. Install the unit it starts (SS_UNIT_SOURCE: systemd never
-# holds a unit as the service's that no gate started), (re)start it, wait until GET /health answers 200,
-# send one real POST /generate and require a non-empty "text". On success remember the unit as
+# holds a unit as the service's that no gate started) as a runtime unit only (SS_UNIT_CANDIDATE: it
+# overrides SS_UNIT_PATH and is gone at the next boot, so a host that reboots before the gate verified
+# it boots the last verified unit), (re)start it, wait until
+# GET /health answers 200, send one real POST /generate and require a non-empty "text". On success
+# make it the service's unit in SS_UNIT_PATH, enabled, remember it as
 # the last known-good one (SS_GOOD_UNIT) and record its fingerprint (SS_RECORD). On failure
 # re-activate the last known-good release and unit, restart that, wait until it is healthy and
 # answering. The failed release is never deleted: it stays for inspection.
@@ -10,8 +13,10 @@
 # Inputs (environment; every one is set by operations/service.py `gate_environment`):
 #   SS_UNIT              the unit's name (sglang.service)
 #   SS_UNIT_PATH         its file in /etc/systemd/system
-#   SS_UNIT_SOURCE       the unit to start: copied over SS_UNIT_PATH (atomically) and enabled right
-#                        before the restart (the release's copy, or the benchmark's configuration)
+#   SS_UNIT_CANDIDATE    the runtime unit (/run/systemd/system.control) that overrides SS_UNIT_PATH
+#   SS_UNIT_SOURCE       the unit to start: copied to SS_UNIT_CANDIDATE right before the restart,
+#                        over SS_UNIT_PATH (atomically) and enabled once verified (the release's
+#                        copy, or the benchmark's configuration)
 #   SS_URL               where the server answers, from the host itself (http://127.0.0.1:30000)
 #   SS_HEALTH_TIMEOUT    seconds to wait for GET /health
 #   SS_GENERATE_TIMEOUT  seconds for the POST /generate
@@ -38,7 +43,7 @@ restarts_at_start=""   # the unit's NRestarts once our restart returned (earlier
 
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
 USAGE='sglang-health-gate.sh  (inputs in the environment; run as root by operations/service.py `restart`)'
-need_env SS_UNIT SS_UNIT_PATH SS_UNIT_SOURCE SS_URL SS_HEALTH_TIMEOUT SS_GENERATE_TIMEOUT SS_GENERATE_BODY SS_RELEASE \
+need_env SS_UNIT SS_UNIT_PATH SS_UNIT_CANDIDATE SS_UNIT_SOURCE SS_URL SS_HEALTH_TIMEOUT SS_GENERATE_TIMEOUT SS_GENERATE_BODY SS_RELEASE \
     SS_RELEASE_DIR SS_FINGERPRINT SS_STATE_DIR SS_GOOD_UNIT SS_RECORD SS_VENV_PATH SS_PREVIOUS_RELEASE SS_PREVIOUS_VENV \
     SS_PREVIOUS_LABEL SS_PREVIOUS_FINGERPRINT SS_PYTHON SS_ROLLBACK_RECORD
 ml_env_tool=$(<"${BASH_SOURCE[0]%/*}/ml_env.py")
@@ -164,16 +169,29 @@ record_reactivation() {
 
 restore_good_unit() { copy_atomically "$SS_GOOD_UNIT" "$SS_UNIT_PATH" 644; }
 
-# The unit this gate starts becomes the service's unit only now, just before its start.
-install_unit() {
-  if ! copy_atomically "$SS_UNIT_SOURCE" "$SS_UNIT_PATH" 644 || ! systemctl daemon-reload ||
-       ! systemctl enable --quiet -- "$SS_UNIT"; then
-    reason="could not install $SS_UNIT_SOURCE as $SS_UNIT_PATH"
+# The unit this gate starts, until it is verified: a runtime unit, which a reboot forgets.
+candidate=$SS_UNIT_CANDIDATE
+install_candidate() {
+  if ! install -d -m 755 -- "${candidate%/*}" || ! copy_atomically "$SS_UNIT_SOURCE" "$candidate" 644 ||
+       ! systemctl daemon-reload; then
+    reason="could not install $SS_UNIT_SOURCE as $candidate"
     return 1
   fi
 }
 
-if install_unit && restart_and_check; then
+# Verified: it becomes the service's unit (the same text: the running server is not restarted).
+promote_candidate() {
+  copy_atomically "$candidate" "$SS_UNIT_PATH" 644 && rm -f -- "$candidate" && systemctl daemon-reload &&
+    systemctl enable --quiet -- "$SS_UNIT"
+}
+
+drop_candidate() { rm -f -- "$candidate" && systemctl daemon-reload; }
+
+if install_candidate && restart_and_check; then
+  if ! promote_candidate; then
+    message "$SS_UNIT is healthy on release $SS_RELEASE but could not be installed as $SS_UNIT_PATH (it runs from $candidate until the next boot)"
+    exit 1
+  fi
   if ! remember_good_unit; then
     message "$SS_UNIT is healthy on release $SS_RELEASE but its record in $SS_STATE_DIR could not be written"
     exit 1
@@ -191,6 +209,7 @@ failure="$SS_UNIT on release $SS_RELEASE failed: $reason"
   fi
 } >&2
 
+drop_candidate || message "could not remove the unverified $candidate"
 if [ ! -f "$SS_GOOD_UNIT" ]; then
   systemctl stop -- "$SS_UNIT"
   message "$failure; no earlier healthy unit to roll back to, so $SS_UNIT was stopped; release $SS_RELEASE stays in $SS_RELEASE_DIR for inspection"

@@ -102,6 +102,7 @@ def next_runs_converge(the_lab, interrupted: dict, *args: str):
     stale = STALE_LOCK_WARNING.format(run_id=interrupted["run_id"])
     said = "\n".join(line for line in final.output.splitlines() if "lock" in line and "{" not in line)
     assert stale in final.output and f"interrupted during '{interrupted['step']}'" in final.output, said
+    assert "the host rebooted since: that run and every step it started are gone" in final.output, said
     assert apply(the_lab, "deploy.py", *args).totals["success"] == 0
     return final
 
@@ -160,12 +161,8 @@ def test_a_reboot_during_the_health_gated_restart_boots_the_verified_unit_and_th
     final = next_runs_converge(the_lab, gating, *held)
     assert "restarting sglang.service" in final.output or "will restart sglang.service" in final.output
     assert serving(the_lab, host, timeout=10)
-    # What the host booted with must be the unit the gate verified last, serving. It is not yet: the gate
-    # installs the unit it starts in /etc/systemd/system before verifying it (issue 32 §2), and a reboot
-    # meanwhile boots that unverified unit. Checked last, so that everything above stays enforced.
-    if (booted_unit, booted_serving) != (unit, True):
-        pytest.xfail("issue 32 §4: a reboot during the health gate boots the unit the gate was starting, which no "
-                     "gate verified (the verified one is not serving); the fix is in sglang-health-gate.sh")
+    # what the host booted with: the unit the gate verified last (the gate's unit was a runtime unit only), serving
+    assert (booted_unit, booted_serving) == (unit, True), "the host booted a unit no gate verified"
 
 
 def test_a_reboot_during_the_runfile_install_boots_the_previous_toolkit_and_the_next_run_installs_once(lab):

@@ -515,7 +515,8 @@ def test_a_lock_whose_owner_process_is_gone_or_another_is_stale(tmp_path):
     assert not read_lock(state_dir).alive
     set_field(path, "pid", os.getpid())              # a live process, but not the one that started then
     set_field(path, "owner_start", "1")
-    assert not read_lock(state_dir).alive
+    found = read_lock(state_dir)
+    assert not found.alive and not found.rebooted   # the same boot: its connection is gone
     assert lock("take", state_dir, "run-B", "ctl:2", "T").stdout.endswith("taken\n")
 
 
@@ -524,7 +525,7 @@ def test_the_lock_of_a_rebooted_host_is_stale(tmp_path):
     lock("take", state_dir, "run-A", "ctl:1", "T")
     set_field(state_dir / "lock", "boot_id", "before-reboot")
     found = read_lock(state_dir)
-    assert found.present and not found.alive and found.why is None
+    assert found.present and not found.alive and found.why is None and found.rebooted
 
 
 def test_a_lock_whose_connection_is_gone_is_alive_while_its_installer_runs(tmp_path):

@@ -119,7 +119,8 @@ def test_the_baseline_record_names_the_release_the_found_unit_ran(tmp_path):
 # -- sglang-health-gate.sh ----------------------------------------------------------------------------
 
 SYSTEMCTL = r"""#!/bin/bash
-broken() { grep -q BROKEN "$SS_UNIT_PATH"; }
+loaded=$SS_UNIT_PATH; [ -f "$SS_UNIT_CANDIDATE" ] && loaded=$SS_UNIT_CANDIDATE   # the runtime unit wins
+broken() { grep -q BROKEN "$loaded"; }
 echo "systemctl $*" >> "$STUB_LOG"
 case $1 in
     daemon-reload|restart|stop) exit 0 ;;
@@ -135,7 +136,8 @@ case $1 in
 esac
 """
 CURL = r"""#!/bin/bash
-grep -q BROKEN "$SS_UNIT_PATH" && exit 7
+loaded=$SS_UNIT_PATH; [ -f "$SS_UNIT_CANDIDATE" ] && loaded=$SS_UNIT_CANDIDATE
+grep -q BROKEN "$loaded" && exit 7
 if [ -n "${STUB_HEALTH_FAILS:-}" ]; then       # the server is still starting for that many requests
     n=$(cat "$STUB_LOG.curl" 2>/dev/null || echo 0)
     echo $((n + 1)) > "$STUB_LOG.curl"
@@ -164,6 +166,7 @@ class Gate:
             python.write_text("#!/bin/sh\n")
             python.chmod(0o755)
         self.unit = root / "sglang.service"
+        self.candidate = root / "run" / "sglang.service"   # the runtime unit (/run/systemd/system.control)
         self.source = root / "releases" / "r-b" / "sglang.service"   # the release's copy: what the gate installs
         self.venv = root / "ml-env"
         self.venv.symlink_to(root / "releases" / "r-b" / "venv")
@@ -178,7 +181,8 @@ class Gate:
                      venv_path=str(self.venv), service_health_timeout_s=5)
         record = {"release": previous, "fingerprint": "0" * 64} if previous else None
         env = service.gate_environment(s, service.release(s, "r-b"), "f" * 64, record)
-        return {**env, "SS_UNIT_PATH": str(self.unit), "SS_STATE_DIR": str(self.state),
+        return {**env, "SS_UNIT_PATH": str(self.unit), "SS_UNIT_CANDIDATE": str(self.candidate),
+                "SS_STATE_DIR": str(self.state),
                 "SS_GOOD_UNIT": str(self.state / "sglang.service.good"),
                 "SS_RECORD": str(self.state / "sglang.service.json"), "SS_PYTHON": sys.executable}
 
@@ -286,12 +290,21 @@ def test_a_failure_with_no_earlier_healthy_unit_stops_the_service(gate):
 
 def test_the_gate_installs_the_unit_it_starts_just_before_the_restart(gate):
     """Issue 32 §2: the unit file was written (and daemon-reloaded) a step before the gate; a run killed in
-    between left an ungated unit loaded. The gate installs it, enables it, then restarts."""
+    between left an ungated unit loaded. The gate installs it, then restarts. Issue 32 §4: until it is
+    verified it is a runtime unit only, which a reboot forgets; verified, it is the service's unit, enabled."""
     gate.source.write_text("ExecStart=release r-b\n")
     assert gate.run().returncode == 0
     calls = gate.log.read_text().splitlines()
     enable, restart = "systemctl enable --quiet -- sglang.service", "systemctl restart -- sglang.service"
-    assert calls.index(enable) < calls.index(restart)
+    assert calls.index(restart) < calls.index(enable)
+    assert gate.unit.read_text() == "ExecStart=release r-b\n" and not gate.candidate.exists()
+
+
+def test_a_unit_that_fails_its_gate_is_never_the_units_file_a_boot_starts(gate):
+    proc = gate.run_after_a_healthy_one("ExecStart=release r-a\n", "BROKEN\n")
+    assert proc.returncode == 1 and "rolled back to release r-a" in proc.stderr
+    assert gate.unit.read_text() == "ExecStart=release r-a\n" and not gate.candidate.exists()
+    assert "systemctl enable --quiet -- sglang.service" not in gate.log.read_text()
 
 
 def test_a_unit_the_gate_cannot_install_is_never_started(gate):
@@ -300,7 +313,7 @@ def test_a_unit_the_gate_cannot_install_is_never_started(gate):
     gate.unit.write_text("ExecStart=release r-a\n")
     proc = gate.run(previous="r-a")                      # no release copy to install
     assert proc.returncode == 1
-    assert f"could not install {gate.source} as {gate.unit}" in proc.stderr
+    assert f"could not install {gate.source} as {gate.candidate}" in proc.stderr
     assert gate.unit.read_text() == "ExecStart=release r-a\n"
     assert "rolled back to release r-a" in proc.stderr
 
