@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterable
 from servestack.errors import ManifestError
 from servestack.manifest import DEFAULT_MANIFEST, Manifest
 from servestack.profiles import SPECULATIVE_ALGORITHMS, profile_rules
-from servestack.values import (Checker, Invalid, abs_path, arguments, boolean, capability, choice, env_map,
-                               env_names, expectation, fraction, host_address, integer, levels, module_name,
-                               optional, release_name, string_list, text, unit_name, url, user_name, version,
-                               word)
+from servestack.values import (Checker, Invalid, abs_path, arguments, boolean, capability, choice, commit, env_map,
+                               env_name, env_names, expectation, fraction, host_address, integer, levels,
+                               module_name, optional, release_name, repository_id, string_list, text, unit_name, url,
+                               user_name, version, word)
 
 # Host-data keys starting with these belong to servestack: an unknown one is an error, not ignored.
 OWN_PREFIXES = ("servestack_", "cuda_", "gpu_", "uv_", "venv_", "service_", "index_",
@@ -62,28 +62,6 @@ def index_key(name: str) -> str:
 def wheel_key(package: str) -> str:
     """The host-data key of the URL of `package`'s wheel."""
     return "wheel_url_" + re.sub(r"[-_.]+", "_", package).lower()
-
-
-def commit(value):
-    """A git commit of a Hugging Face repository: 40 lowercase hex digits, never a branch or a tag (a
-    branch moves: two hosts, or one host on two days, would serve different weights)."""
-    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{40}", value):
-        raise Invalid("a commit of the model's repository: 40 lowercase hex digits (never a branch such as 'main')")
-    return value
-
-
-def repository_id(value):
-    """A Hugging Face repository id, 'org/name'."""
-    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value) or ".." in value:
-        raise Invalid("a Hugging Face repository id like 'nvidia/Kimi-K2.5-NVFP4'")
-    return value
-
-
-def env_name(value):
-    """The name of an environment variable of the control machine."""
-    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        raise Invalid("the name of an environment variable of the control machine, like 'HF_TOKEN'")
-    return value
 
 
 def is_local_path(model_path: str) -> bool:

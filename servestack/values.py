@@ -187,3 +187,25 @@ def env_names(value):
     if not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) for name in names):
         raise Invalid("a list of environment variable names like ['HF_TOKEN']")
     return tuple(dict.fromkeys(names))
+
+
+def commit(value):
+    """A git commit of a Hugging Face repository: 40 lowercase hex digits, never a branch or a tag (a
+    branch moves: two hosts, or one host on two days, would serve different weights)."""
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{40}", value):
+        raise Invalid("a commit of the model's repository: 40 lowercase hex digits (never a branch such as 'main')")
+    return value
+
+
+def repository_id(value):
+    """A Hugging Face repository id, 'org/name'."""
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value) or ".." in value:
+        raise Invalid("a Hugging Face repository id like 'nvidia/Kimi-K2.5-NVFP4'")
+    return value
+
+
+def env_name(value):
+    """The name of an environment variable of the control machine."""
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise Invalid("the name of an environment variable of the control machine, like 'HF_TOKEN'")
+    return value
