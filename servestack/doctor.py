@@ -20,6 +20,7 @@ read, 3 when a host could not be reached, 0 when every host passes.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -29,6 +30,7 @@ from servestack.fleet import group_data_of, limited, load_inventory, unused_grou
 from servestack.preconnect import targets_problems
 from servestack.settings import host_settings
 from servestack.verify import Target, Unreachable, read_all, report_console, target_for
+from servestack.weights import pin_problems, token_problems
 
 REPORT_CHECKS = ("settings", "connect")
 
@@ -105,13 +107,21 @@ def collect(inventory_path: str, limit: Iterable[str] | None = None,
     `read_all`: one remote command each, in parallel), with the facts preflight reads."""
     inventory = load_inventory(inventory_path)
     hosts = limited(inventory, limit or ())
-    refusals = {host.name: targets_problems([host], environ) for host in hosts}
+    refusals = {host.name: targets_problems([host], environ) or weights_refusals(host, environ) for host in hosts}
     targets = _targets(hosts, refusals)
     found = read_all(list(targets.values()), lambda target: host_reads(target.settings))
     digests = _runfile_digests(targets, found)
     reports = {host.name: _report(host, refusals[host.name], targets.get(host.name), found.get(host.name),
                                   digests.get(host.name)) for host in hosts}
     return reports, unused_group_data(inventory)
+
+
+def weights_refusals(host, environ=None) -> list[str]:
+    """What the deploy's weights step refuses the host with before any change, known without reading it: a
+    model pinned nowhere, a Hub token variable unset here (operations/weights.py refuses the same at prepare)."""
+    settings = host_settings(host)
+    lines = pin_problems(settings) + token_problems(settings, os.environ if environ is None else environ)
+    return [f"host {host.name}: {line}" for line in lines]
 
 
 def _targets(hosts, refusals: dict[str, list[str]]) -> dict[str, Target]:

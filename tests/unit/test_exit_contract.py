@@ -130,8 +130,24 @@ def test_doctor_reports_the_refusals_of_the_deploy_with_their_reasons(tmp_path, 
     assert "SERVESTACK_TEST_UNSET is not set in the control machine's environment" in settings["detail"]
 
 
-def test_doctor_says_why_it_cannot_connect_and_exits_3(tmp_path, capsys):
+PINNED = {"service_model_revision": "0" * 40, "service_draft_model_revision": "1" * 40}
+
+
+def test_doctor_reports_a_model_pinned_nowhere_as_the_deploy_refuses_it(tmp_path, capsys):
+    """The shipped manifest pins no model revision: the deploy's weights step refuses such a host before any
+    change (at prepare); doctor says so without contacting it."""
     path = inventory(tmp_path, ("127.0.0.1", {"ssh_port": 1, "ssh_user": "nobody", **LOCAL}))
+    code, out, _err = run(capsys, "doctor", "--json", path)
+    checks = json.loads(out)["hosts"]["127.0.0.1"]["checks"]
+    assert code == 2 and checks["connect"]["status"] == "skip"
+    assert [line.split(" serves ")[1].split(",")[0] for line in checks["settings"]["problems"]] == [
+        "nvidia/Kimi-K2.5-NVFP4 (model)", "lightseekorg/kimi-k2.5-eagle3 (draft)"]
+    assert all(line.startswith("host 127.0.0.1: profile 'kimi-k2.5-eagle3' serves ") and "'service_" in line
+               for line in checks["settings"]["problems"])
+
+
+def test_doctor_says_why_it_cannot_connect_and_exits_3(tmp_path, capsys):
+    path = inventory(tmp_path, ("127.0.0.1", {"ssh_port": 1, "ssh_user": "nobody", **PINNED, **LOCAL}))
     code, out, _err = run(capsys, "doctor", "--json", path)
     document = json.loads(out)
     connect = document["hosts"]["127.0.0.1"]["checks"]["connect"]
