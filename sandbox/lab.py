@@ -112,6 +112,16 @@ def private_copy(artifacts: ArtifactSet, dest: Path) -> ArtifactSet:
                        {key: moved(value) for key, value in artifacts.broken_indexes.items()})
 
 
+def pin_standin_models(text: str) -> str:
+    """The manifest's text with each model pinned to the stand-in Hub's commit of its repository."""
+    for repo, commit in hub.commits().items():
+        table = f'[service.models."{repo}"]\n'
+        if text.count(table) != 1:
+            raise RuntimeError(f"cannot pin the stand-in Hub's {repo}: {table.strip()} is not unique in the manifest")
+        text = text.replace(table, f'{table}revision = "{commit}"   # the STAND-IN Hub\'s commit\n')
+    return text
+
+
 def sandbox_manifest(path: Path, artifacts: ArtifactSet) -> Path:
     """Write the hosts' copy of the manifest: the stand-in runfile's size and checksums in place."""
     real = load_manifest().runfiles["x86_64"]
@@ -121,11 +131,7 @@ def sandbox_manifest(path: Path, artifacts: ArtifactSet) -> Path:
         if text.count(old) != 1:
             raise RuntimeError(f"cannot place the stand-in runfile's value: {old!r} is not unique in the manifest")
         text = text.replace(old, new)
-    for repo, commit in hub.commits().items():   # the stand-in Hub's repositories, pinned
-        table = f'[service.models."{repo}"]\n'
-        if text.count(table) != 1:
-            raise RuntimeError(f"cannot pin the stand-in Hub's {repo}: {table.strip()} is not unique in the manifest")
-        text = text.replace(table, f'{table}revision = "{commit}"   # the STAND-IN Hub\'s commit\n')
+    text = pin_standin_models(text)
     header = ("# SANDBOX COPY of files/stack.toml, written by sandbox.lab: identical but for the\n"
               "# x86_64 runfile's size and checksums, which are those of the STAND-IN runfile, and the\n"
               "# models' revisions, the STAND-IN Hub's commits (sandbox/standins/hub.py).\n")

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandbox.lab import Lab
+from sandbox.lab import Lab, pin_standin_models
 from sandbox.standins.build import mirror_path
 from sandbox.standins.nvidia_smi import Gpu, render_nvidia_smi
 from sandbox.standins.runfile import build_runfile, runfile_info
@@ -41,7 +41,8 @@ TREE_LISTING = "find {path} -printf '%P %y %s %l\\n' | LC_ALL=C sort | sha256sum
 
 
 def manifest_for(runfile: Path, dest: Path, **cuda_overrides) -> Path:
-    """The project manifest with the x86_64 runfile's size and checksums replaced by `runfile`'s."""
+    """The project manifest with the x86_64 runfile's size and checksums replaced by `runfile`'s, and the models
+    pinned to the stand-in Hub's commits (as the sandbox's own copy: doctor refuses a model pinned nowhere)."""
     info = runfile_info(runfile)
     text = DEFAULT_MANIFEST.read_text()
     section = text.index("[cuda.runfile.x86_64]")
@@ -50,7 +51,7 @@ def manifest_for(runfile: Path, dest: Path, **cuda_overrides) -> Path:
     body = re.sub(r"size = \d+", f"size = {info.size}", body)
     body = re.sub(r'md5 = "[0-9a-f]+"', f'md5 = "{info.md5}"', body)
     body = re.sub(r'sha256 = "[0-9a-f]+"', f'sha256 = "{info.sha256}"', body)
-    text = text[:section] + body + text[end:]
+    text = pin_standin_models(text[:section] + body + text[end:])
     for key, value in cuda_overrides.items():
         text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text, count=1)
     dest.parent.mkdir(parents=True, exist_ok=True)
