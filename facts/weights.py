@@ -1,7 +1,6 @@
-"""What the host holds of the model weights it serves: the weights step's records, and (when a download
-is due) what the Hub lists that the host lacks.
+"""What the Hub lists of the model weights a host serves that the host lacks (the weights step's records
+are read with facts/service.py `ServiceRecord`, one small `cat` each in every converge's batched read).
 
-`WeightsRecords` is a `cat` of small files, cheap enough for every converge's batched read;
 `WeightsPlan` asks the Hub (files/scripts/stage-weights.py `plan`, the host's python, standard
 library only) and is read only when a record is missing or stale.
 """
@@ -16,42 +15,6 @@ from pyinfra.api import FactBase
 from servestack.scripts import python_script_command
 
 SCRIPT = "stage-weights.py"
-RECORD_MARK = "@@servestack weights-record "
-
-
-class WeightsRecords(FactBase):
-    """
-    ``{record path: the weights step's record (a dict) or None}`` for each path.
-
-    + paths: the records' files (``paths.weights_record_path``)
-    """
-
-    def command(self, paths: tuple[str, ...]) -> str:
-        quoted = " ".join(shlex.quote(path) for path in paths)
-        return f'for f in {quoted}; do echo "{RECORD_MARK}$f"; cat -- "$f" 2>/dev/null; echo; done'
-
-    @staticmethod
-    def default() -> dict:
-        return {}
-
-    def process(self, output) -> dict[str, dict | None]:
-        records: dict[str, list[str]] = {}
-        current = None
-        for line in output:
-            if line.startswith(RECORD_MARK):
-                current = line[len(RECORD_MARK):]
-                records[current] = []
-            elif current is not None:
-                records[current].append(line)
-        return {path: _record("\n".join(lines)) for path, lines in records.items()}
-
-
-def _record(text: str) -> dict | None:
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
 
 
 class WeightsPlan(FactBase):

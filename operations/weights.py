@@ -6,7 +6,7 @@ repository id is pinned to a commit (servestack/weights.py: host data, else the 
 staged into its own directory, `<service_models_dir>/<org>--<name>/<revision>`, which the unit's
 --model-path / --speculative-draft-model-path name (servestack/serving.py).
 
-Decided from one small fact in the converge's batched read (`WeightsRecords`: the records this step
+Decided from small facts in the converge's batched read (`ServiceRecord`, one per model: the records this step
 writes beside each directory; deploy.py lists it in what the deploy functions decide from). A model
 whose record names its revision is current: nothing else is read, nothing runs, and the Hub is not
 asked. Otherwise the Hub's file list is compared with the directory (`WeightsPlan`, read only then).
@@ -33,7 +33,8 @@ from pyinfra import host
 from pyinfra.api import FileUploadCommand, QuoteString, StringCommand, deploy, operation
 
 from facts.batch import FactRequest
-from facts.weights import SCRIPT, WeightsPlan, WeightsRecords
+from facts.service import ServiceRecord
+from facts.weights import SCRIPT, WeightsPlan
 from servestack import reads
 from servestack.hostrun import REFUSED, fail_host, noop, plan, refuse, while_busy
 from servestack.paths import SECRETS_DIR, secrets_staging_path
@@ -68,8 +69,7 @@ def record_paths(settings: Settings) -> tuple[str, ...]:
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
     """What this step reads before it decides: the records of the models the host serves (the Hub's
     file list only when one is not current)."""
-    paths = record_paths(settings)
-    return [FactRequest.of(WeightsRecords, paths=paths)] if paths else []
+    return [FactRequest.of(ServiceRecord, path=path) for path in record_paths(settings)]
 
 
 def is_current(record: dict | None, model: StagedModel, settings: Settings) -> bool:
@@ -81,10 +81,8 @@ def is_current(record: dict | None, model: StagedModel, settings: Settings) -> b
 
 def due_models(settings: Settings) -> list[StagedModel]:
     """The pinned models whose staged copy is not recorded as verified."""
-    paths = record_paths(settings)
-    records = reads.fact(host, WeightsRecords, paths=paths) if paths else {}
     return [model for model in pinned_models(settings)
-            if not is_current(records.get(model.record(settings)), model, settings)]
+            if not is_current(reads.fact(host, ServiceRecord, path=model.record(settings)), model, settings)]
 
 
 def script_params(settings: Settings, models: list[StagedModel]) -> str:

@@ -3,13 +3,11 @@ directories the unit names, and the weights step's decisions."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from facts.weights import WeightsRecords
 from operations.weights import TOKEN_FILE, disk_needed, fetch_command, is_current, plan_lines, plan_problems
 from sandbox.lab import sandbox_manifest
 from sandbox.standins import hub
@@ -162,15 +160,6 @@ def test_a_prestaged_copy_is_served_as_it_is_its_record_kept_in_the_models_direc
     differs["models"][0].update(differs={}, missing_files=[], missing_bytes=0)
     assert plan_lines(host, differs) == [f"check the pre-staged copy /srv/kimi of {KIMI}@{A[:12]} (4 files, 10 B) "
                                          "against the Hub's sizes and hashes, and serve it as it is"]
-
-
-def test_the_records_fact_reads_each_record_or_none():
-    fact = WeightsRecords()
-    command = fact.command(("/m/a.verified.json", "/m/b.verified.json"))
-    assert "cat -- \"$f\"" in command
-    output = ["@@servestack weights-record /m/a.verified.json", json.dumps({"repo": KIMI}), "",
-              "@@servestack weights-record /m/b.verified.json", ""]
-    assert fact.process(output) == {"/m/a.verified.json": {"repo": KIMI}, "/m/b.verified.json": None}
 
 
 def wanted(missing_bytes: int, free: int, problem: str | None = None) -> dict:
