@@ -35,6 +35,12 @@ class Gpu:
     def describe(self) -> str:
         return f"GPU {self.index} ({self.name}, {self.bus_id})"
 
+    @property
+    def capability(self) -> int | None:
+        """The compute capability as sglang compares it (major * 10 + minor); None when nvidia-smi gave none."""
+        match = re.fullmatch(r"(\d+)\.(\d)", self.compute_cap.strip())
+        return int(match[1]) * 10 + int(match[2]) if match else None
+
 
 @dataclass(frozen=True)
 class GpuReport:

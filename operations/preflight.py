@@ -1,7 +1,8 @@
 """Step `preflight`: refuse a host before anything changes on it, then hold its lock for the run.
 
-Checks (stable names, shared with `servestack doctor`): driver, gpus, compute_capability, arch,
-install_path, runfile, disk, lock, link, kept_toolkits, judged by `evaluate` from what
+Checks (stable names, shared with `servestack doctor`): driver, gpus, compute_capability, serving
+(the served model's quantization loads on these GPUs), arch, install_path, runfile, disk, lock, link,
+kept_toolkits, service, judged by `evaluate` from what
 `read_preflight` reads (the GPUs, free disk, the lock and the toolkits; when an install is due, the
 digest of the runfile it would use). Any failed check refuses the host, one line per problem naming
 it: a pre-staged runfile (`cuda_runfile_path`) that fails its size or checksums is refused here,
@@ -66,8 +67,8 @@ from servestack.hostrun import (
 from servestack.paths import kept_paths, lock_path, runfile_source
 from servestack.settings import Settings, host_settings
 
-CHECKS = ("driver", "gpus", "compute_capability", "arch", "install_path", "runfile", "disk", "lock",
-          "link", "kept_toolkits", "service")
+CHECKS = ("driver", "gpus", "compute_capability", "serving", "arch", "install_path", "runfile", "disk",
+          "lock", "link", "kept_toolkits", "service")
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,26 @@ def check_compute_capability(settings: Settings, gpu: GpuReport) -> CheckResult:
                      f"{len(differ)} of {len(gpu.gpus)} GPUs are not compute capability {want} "
                      f"(gpu_compute_capability): {listed}")
     return _ok("compute_capability", f"all {len(gpu.gpus)} GPUs are {want}")
+
+
+def check_serving(settings: Settings, gpu: GpuReport) -> CheckResult:
+    """The served model's quantization on these GPUs: the stack's sglang refuses it at model load, after
+    the restart, on a GPU older than the method needs (the manifest's [stacks.<name>.min_capability])."""
+    method = settings.served_quantization
+    needed = settings.stack.min_capability_of(method) if method else None
+    if not gpu.gpus:
+        return CheckResult("serving", "skip", "no GPU to check")
+    if needed is None:
+        return _ok("serving", f"{settings.service_model_path} needs no newer GPU ({method or 'not quantized'})")
+    older = [g for g in gpu.gpus if g.capability is not None and g.capability < needed]
+    if older:
+        version = settings.package("sglang").version
+        return _fail("serving", f"{len(older)} of {len(gpu.gpus)} GPUs cannot serve {settings.service_model_path} "
+                                f"(profile {settings.service_profile!r}): sglang {version} ({settings.service_stack}) "
+                                f"loads {method} only on compute capability {needed // 10}.{needed % 10} or newer, "
+                                f"and {older[0].describe()} is {older[0].compute_cap}; serve it with a profile on a "
+                                "stack that loads it on these GPUs (service_profile / service_stack)")
+    return _ok("serving", f"sglang {settings.package('sglang').version} loads {method} on all {len(gpu.gpus)} GPUs")
 
 
 def check_arch(settings: Settings, facts: PreflightFacts) -> CheckResult:
@@ -334,7 +355,8 @@ def evaluate(settings: Settings, facts: PreflightFacts, run: str | None = None) 
     """Every check, in CHECKS order. Checks that need a known architecture are skipped without one;
     without the toolkits read, install_path fails and the checks that judge them are skipped."""
     checks = [check_driver(settings, facts.gpu), check_gpus(settings, facts.gpu),
-              check_compute_capability(settings, facts.gpu), check_arch(settings, facts)]
+              check_compute_capability(settings, facts.gpu), check_serving(settings, facts.gpu),
+              check_arch(settings, facts)]
     if facts.toolkit is None:
         unread = "the toolkits were not read"
         return checks + [_fail("install_path", f"cannot read the CUDA toolkits on the host "

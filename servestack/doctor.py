@@ -6,9 +6,9 @@ fact the deploy uses. A rich table per host, or with --json one object with stab
 
     {"ok": false, "hosts": {"gpu-node-01": {"ok": false, "checks": {
         "settings": {"status": "ok", "detail": "...", "problems": []},
-        "connect": {...}, "driver": {...}, "gpus": {...}, "compute_capability": {...}, "arch": {...},
-        "install_path": {...}, "runfile": {...}, "disk": {...}, "lock": {...}, "link": {...},
-        "kept_toolkits": {...}}}}}
+        "connect": {...}, "driver": {...}, "gpus": {...}, "compute_capability": {...}, "serving": {...},
+        "arch": {...}, "install_path": {...}, "runfile": {...}, "disk": {...}, "lock": {...}, "link": {...},
+        "kept_toolkits": {...}, "service": {...}}}}}
 
 status is "ok", "warn" (reported only), "fail" or "skip". The settings check fails with exactly the lines
 the deploy would refuse the host with before connecting (servestack/preconnect.py: host data, secrets,

@@ -366,6 +366,7 @@ MODEL_KEYS = {  # field: (checker, required)
     "model_type": (word, True),
     "architectures": (string_list, True),
     "revision": (commit, False),
+    "quantization": (word, False),   # sglang's name for the checkpoint's method (what it loads it as)
 }
 
 

@@ -64,9 +64,14 @@ class Stack:
     exclude_newer: str
     # the choices its sglang's argument parser allows, per servestack key (`service_<key>`): SERVER_CHOICES
     server_choices: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # the oldest compute capability (major * 10 + minor) its sglang loads a quantization method on
+    min_capability: tuple[tuple[str, int], ...] = ()
 
     def choices(self, key: str) -> tuple[str, ...]:
         return dict(self.server_choices)[key]
+
+    def min_capability_of(self, quantization: str) -> int | None:
+        return dict(self.min_capability).get(quantization)
 
     def package(self, name: str) -> Package:
         for package in self.packages:
@@ -261,8 +266,16 @@ def _server_choices(reader: _Reader) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return tuple(choices)
 
 
+def _min_capability(reader: _Reader, quantizations: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    if "min_capability" not in reader.table:
+        return ()
+    table = reader.sub("min_capability")
+    table.only(set(quantizations))
+    return tuple((method, table.positive_int(method)) for method in table.table)
+
+
 def _stack(reader: _Reader, name: str, indexes: dict[str, str]) -> Stack:
-    reader.only({"torch_cuda", "exclude_newer", "packages", "server_choices"})
+    reader.only({"torch_cuda", "exclude_newer", "packages", "server_choices", "min_capability"})
     packages = _packages(reader, indexes)
     torch_cuda = reader.get("torch_cuda", str, "the CUDA version torch.version.cuda reports, like '13.0'")
     if not re.fullmatch(r"\d+\.\d+", torch_cuda):
@@ -278,8 +291,9 @@ def _stack(reader: _Reader, name: str, indexes: dict[str, str]) -> Stack:
     if label is not None and label != "cu" + torch_cuda.replace(".", ""):
         raise reader.fail("packages", f"torch's local label to name the stack's torch_cuda {torch_cuda} "
                           f"(+cu{torch_cuda.replace('.', '')}) or no label", torch.version)
+    choices = _server_choices(reader)
     return Stack(name=name, packages=packages, torch_cuda=torch_cuda, exclude_newer=exclude_newer,
-                 server_choices=_server_choices(reader))
+                 server_choices=choices, min_capability=_min_capability(reader, dict(choices)["quantization"]))
 
 
 def _stacks(reader: _Reader, indexes: dict[str, str]) -> dict[str, Stack]:

@@ -150,6 +150,13 @@ class Settings:
         return self.manifest.stacks[self.service_stack]
 
     @property
+    def served_quantization(self) -> str | None:
+        """The method sglang loads the served model with: --quantization, else the checkpoint's own (the
+        manifest's [service.models] entry for service_model_path; a local path has none)."""
+        model = self.manifest.service.get("models", {}).get(self.service_model_path, {})
+        return self.service_quantization or model.get("quantization")
+
+    @property
     def packages(self) -> tuple[Package, ...]:
         return self.stack.packages
 

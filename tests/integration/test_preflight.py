@@ -46,10 +46,11 @@ def test_doctor_reports_every_check_and_changes_nothing(pf):
     assert report["ok"] is False
     good, bad = report["hosts"]["h1"], report["hosts"]["h2"]
     assert good["ok"] is True
-    assert list(good["checks"]) == ["settings", "connect", "driver", "gpus", "compute_capability", "arch",
-                                    "install_path", "runfile", "disk", "lock", "link", "kept_toolkits", "service"]
+    assert list(good["checks"]) == ["settings", "connect", "driver", "gpus", "compute_capability", "serving",
+                                    "arch", "install_path", "runfile", "disk", "lock", "link", "kept_toolkits",
+                                    "service"]
     assert {name for name, check in bad["checks"].items() if check["status"] == "fail"} == {
-        "driver", "compute_capability"}
+        "driver", "compute_capability", "serving"}
     assert "GPU 0 (NVIDIA H200" in bad["checks"]["compute_capability"]["detail"]
     assert {host.name: pf.lab.fingerprint(host) for host in (h1, h2)} == before
     only_good = doctor(pf, "--json", "--limit", "h1")
@@ -101,6 +102,35 @@ def test_a_service_user_that_cannot_be_created_is_refused_by_preflight_before_an
     assert report["status"] == "fail" and refusal in report["detail"]
     assert run.returncode != 0 and f"refused: {refusal}" in run.output, run.output[-4000:]
     assert after == before
+
+
+def test_a_model_its_sglang_cannot_load_on_the_hosts_gpus_is_refused_by_preflight_before_any_change(pf):
+    """Issue 32 §1, a model the host cannot serve: sglang 0.5.9 loads Kimi-K2.5-NVFP4 (modelopt_fp4) only from
+    compute capability 10.0, and its loader refuses the model at load, after the toolkit, the venv and the
+    restart. Preflight refuses such a host first, with the numbers; doctor says the same; the same GPUs pass
+    with the GLM-5 profile, whose sglang 0.5.14 loads modelopt_fp4 from 8.0."""
+    host = pf.host("h1")
+    pf.set_gpu(host, Gpu(name="NVIDIA H200", compute_cap="9.0", memory_mib=143771))
+    try:
+        pf.scenario(host, "doctor-good", gpu_compute_capability="9.0")
+        before = pf.lab.fingerprint(host)
+        kimi = json.loads(doctor(pf, "--json", "--limit", "h1").stdout)["hosts"]["h1"]["checks"]
+        run = pf.pyinfra(DEPLOY, limit=["h1"])
+        dry = pf.pyinfra(DEPLOY, limit=["h1"], dry=True)
+        after = pf.lab.fingerprint(host)
+        pf.scenario(host, "doctor-good", gpu_compute_capability="9.0", service_profile="glm-5-mtp")
+        glm = json.loads(doctor(pf, "--json", "--limit", "h1").stdout)["hosts"]["h1"]["checks"]
+    finally:
+        pf.set_gpu(host, Gpu())
+    refusal = ("8 of 8 GPUs cannot serve nvidia/Kimi-K2.5-NVFP4 (profile 'kimi-k2.5-eagle3'): sglang 0.5.9 "
+               "(sglang-0.5.9) loads modelopt_fp4 only on compute capability 10.0 or newer, and GPU 0 (NVIDIA H200")
+    assert [name for name, check in kimi.items() if check["status"] == "fail"] == ["serving"]
+    assert refusal in kimi["serving"]["detail"]
+    assert run.returncode != 0 and f"refused: {refusal}" in run.output, run.output[-4000:]
+    assert f"refused: {refusal}" in dry.output and "install 13.0.1 into" not in dry.output, dry.output[-4000:]
+    assert after == before
+    assert glm["serving"]["status"] == "ok"
+    assert "sglang 0.5.14 loads modelopt_fp4 on all 8 GPUs" in glm["serving"]["detail"]
 
 
 def busy(pf, host) -> bool:

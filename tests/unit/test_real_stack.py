@@ -199,3 +199,43 @@ def test_each_stacks_server_choices_are_its_real_sglangs(stack):
     real = sglang_server_choices(version)
     assert set(real) == set(SERVER_CHOICES), real
     assert {key: list(values) for key, values in MANIFEST.stacks[stack].server_choices} == real
+
+
+def _class_of_method(wheel: zipfile.ZipFile, method: str) -> str:
+    """The config class sglang's quantization registry names for `method` (srt/layers/quantization/__init__.py)."""
+    tree = ast.parse(wheel.read("sglang/srt/layers/quantization/__init__.py").decode())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == method and isinstance(value, ast.Name):
+                    return value.id
+    raise AssertionError(f"{method} is not in sglang's quantization registry")
+
+
+def _min_capability(wheel: zipfile.ZipFile, class_name: str) -> int:
+    """What `class_name.get_min_capability()` returns in the wheel's srt/layers/quantization: a constant, or
+    another class's get_min_capability() (followed)."""
+    for name in wheel.namelist():
+        if name.startswith("sglang/srt/layers/quantization/") and name.endswith(".py"):
+            for node in ast.walk(ast.parse(wheel.read(name).decode())):
+                if isinstance(node, ast.ClassDef) and node.name == class_name:
+                    method = next(item for item in node.body
+                                  if isinstance(item, ast.FunctionDef) and item.name == "get_min_capability")
+                    returned = next(item for item in method.body if isinstance(item, ast.Return)).value
+                    if isinstance(returned, ast.Constant):
+                        return returned.value
+                    assert isinstance(returned, ast.Call) and isinstance(returned.func, ast.Attribute)
+                    return _min_capability(wheel, returned.func.value.id)
+    raise AssertionError(f"no class {class_name} in the wheel's srt/layers/quantization")
+
+
+@pytest.mark.parametrize("stack", sorted(MANIFEST.stacks))
+def test_each_stacks_min_capabilities_are_what_its_real_sglang_loads_on(stack):
+    """Preflight refuses GPUs older than [stacks.<name>.min_capability] says (operations/preflight.py
+    check_serving): each entry is its sglang's own get_min_capability for that method."""
+    listed = dict(MANIFEST.stacks[stack].min_capability)
+    assert listed, "each stack lists the methods of the manifest's models"
+    methods = {model["quantization"] for model in MANIFEST.service["models"].values() if "quantization" in model}
+    assert methods <= set(listed)
+    with zipfile.ZipFile(fetch_wheel("sglang", MANIFEST.stacks[stack].package("sglang").version)) as wheel:
+        assert {method: _min_capability(wheel, _class_of_method(wheel, method)) for method in listed} == listed

@@ -96,13 +96,34 @@ def test_unread_toolkits_refuse_the_host_and_skip_what_judges_them():
 def test_problems_are_one_line_each():
     checks = evaluate(settings(), facts(gpu=blackwell(cap="9.0", driver="570.86.10"), avail=GB), "run-1")
     problems = problems_of(checks)
-    assert len(problems) == 3
+    assert len(problems) == 4
     assert problems[0].startswith("NVIDIA driver 570.86.10 is older than 580.82.07")
     assert problems[1].startswith("8 of 8 GPUs are not compute capability 12.0")
-    assert problems[2].startswith("not enough disk on /: 1.0 GB free, 20.3 GB needed (runfile 4.3 GB in "
+    assert problems[2].startswith("8 of 8 GPUs cannot serve nvidia/Kimi-K2.5-NVFP4")
+    assert problems[3].startswith("not enough disk on /: 1.0 GB free, 20.3 GB needed (runfile 4.3 GB in "
                                   "/var/cache/servestack, extraction 8.0 GB in /var/tmp, toolkit 8.0 GB in "
                                   "/usr/local/cuda-13.0)")
     assert all("\n" not in problem for problem in problems)
+
+
+def test_a_model_the_stacks_sglang_cannot_load_on_these_gpus_is_refused_before_any_change():
+    """Kimi-K2.5-NVFP4 is modelopt_fp4, which sglang 0.5.9 loads only from compute capability 10.0 (its
+    loader refuses at model load, after the restart); 0.5.14 loads it from 8.0 (files/stack.toml)."""
+    hopper = blackwell(cap="9.0")
+    kimi = {check.name: check for check in evaluate(settings(gpu_compute_capability="9.0"), facts(gpu=hopper))}
+    assert kimi["serving"].status == "fail"
+    assert kimi["serving"].problems == (
+        "8 of 8 GPUs cannot serve nvidia/Kimi-K2.5-NVFP4 (profile 'kimi-k2.5-eagle3'): sglang 0.5.9 "
+        "(sglang-0.5.9) loads modelopt_fp4 only on compute capability 10.0 or newer, and GPU 0 (NVIDIA RTX PRO "
+        "6000 Blackwell Server Edition, 00000000:00:00.0) is 9.0; serve it with a profile on a stack that loads it "
+        "on these GPUs (service_profile / service_stack)",)
+    glm = {check.name: check for check in evaluate(settings(gpu_compute_capability="9.0", service_profile="glm-5-mtp"),
+                                                   facts(gpu=hopper))}
+    assert glm["serving"].status == "ok" and "sglang 0.5.14 loads modelopt_fp4" in glm["serving"].detail
+    unquantized = settings(gpu_compute_capability="9.0", service_model_path="/models/local-copy")
+    assert {check.name: check.status for check in evaluate(unquantized, facts(gpu=hopper))}["serving"] == "ok"
+    on_blackwell = {check.name: check for check in evaluate(settings(), facts(gpu=blackwell()))}
+    assert on_blackwell["serving"].status == "ok"
 
 
 def test_arch_without_runfile_is_refused(tmp_path):
