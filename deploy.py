@@ -7,6 +7,8 @@ A host that fails preflight is refused with one line per problem and runs no oth
 step decides (the release this run leaves active) is passed to the next as an argument.
 """
 
+from functools import partial
+
 from pyinfra import host, state
 
 from operations import patches, preflight, prestart, service, speculation, toolkit, venv, verify, weights
@@ -25,21 +27,23 @@ def host_reads(settings, release=None):
             for request in step.host_reads(settings, release)]
 
 
+def upgrade(release):
+    """The upgrade's steps, after preflight and under the host's lock, towards `release` (``venv.plan()``)."""
+    venv.backup(release=release)
+    toolkit.cuda_toolkit()
+    venv.build(release=release)
+    patches.patches(release=release)
+    weights.weights(release=release)
+    prestart.prestart(release=release)
+    venv.activate(release=release)
+    service.sglang_service(release=release)
+    speculation.speculation(release=release)
+    verify.verify(release=release)
+
+
 settings = host_settings(host)
-if preflight.preflight(reads=host_reads(settings),
-                       decides=[*venv.host_reads(settings), *service.deploy_reads(settings),
-                                *weights.host_reads(settings)]):
-    release = venv.plan()                       # None: the host was refused (no python to build with)
-    if release is not None:
-        preflight.lock(reads=host_reads(settings, release))
-        venv.backup(release=release)
-        toolkit.cuda_toolkit()
-        venv.build(release=release)
-        patches.patches(release=release)
-        weights.weights(release=release)
-        prestart.prestart(release=release)
-        venv.activate(release=release)
-        service.sglang_service(release=release)
-        speculation.speculation(release=release)
-        verify.verify(release=release)
-        preflight.release_lock()
+preflight.locked_run(reads=partial(host_reads, settings),
+                     decides=[*venv.host_reads(settings), *service.deploy_reads(settings),
+                              *weights.host_reads(settings)],
+                     choose=venv.plan,      # None: the host was refused (no python to build with)
+                     steps=upgrade)

@@ -19,6 +19,8 @@ deploy.py; after it, the service step re-renders the unit for the re-activated r
 ExecStart names the release's python) and restarts it through the same health gate as deploy.py.
 """
 
+from functools import partial
+
 from pyinfra import host, state
 
 from operations import preflight, service, venv
@@ -35,12 +37,14 @@ def host_reads(settings, release=None):
     return [request for step in (preflight, venv, service) for request in step.host_reads(settings, release)]
 
 
+def roll_back(release):
+    """Re-activate `release` (``venv.rollback_target()``) and restart the service on it."""
+    venv.rollback(release=release)
+    service.sglang_service(release=release)
+
+
 settings = host_settings(host)
-if preflight.preflight(reads=host_reads(settings),
-                       decides=[*venv.host_reads(settings), *service.deploy_reads(settings)]):
-    release = venv.rollback_target()
-    if release is not None:
-        preflight.lock(reads=host_reads(settings, release))
-        venv.rollback(release=release)
-        service.sglang_service(release=release)
-        preflight.release_lock()
+preflight.locked_run(reads=partial(host_reads, settings),
+                     decides=[*venv.host_reads(settings), *service.deploy_reads(settings)],
+                     choose=venv.rollback_target,   # None: the host was refused (nothing to roll back to)
+                     steps=roll_back)

@@ -10,7 +10,10 @@ A section is printed as::
 The empty line keeps output without a final newline apart from the end marker; `split` drops it,
 so a section's lines are what pyinfra would have read from the command alone (blank lines
 included). RC is the command's exit status. Python builds sections with `framed`; shell scripts
-in files/scripts with files/scripts/helpers.sh's `section`, so one parser serves both.
+in files/scripts with files/scripts/helpers.sh's `section`, and the Python tools sent to a host
+(files/scripts/ml_env.py, verify-python.py, verify-http.py: standard library only, they cannot import
+this module) with a `section` function of their own that prints `printed`'s lines; one parser,
+`split`, serves them all, and no other module reads the markers.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ def framed(name: str, command: str) -> str:
     """Shell that runs `command` in a subshell (stdin closed) and prints its output as section `name`."""
     return (f"echo {shlex.quote(BEGIN + name)}; ( {command}\n) </dev/null; "
             f"printf '\\n{END}%s %s\\n' {shlex.quote(name)} \"$?\"")
+
+
+def printed(name: str, text: str, rc: int = 0) -> tuple[str, ...]:
+    """The lines of section `name` whose command printed `text` (no final line break) and exited `rc`."""
+    return (BEGIN + name, *text.split("\n"), "", f"{END}{name} {rc}")
 
 
 def split(lines) -> dict[str, Section]:

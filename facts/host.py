@@ -7,10 +7,11 @@ here are the fact that reads it and the commands that take and release it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pyinfra.api import FactBase
 
+from facts.framing import Section, split
 from servestack.scripts import script_command
 
 
@@ -154,19 +155,20 @@ def _json_object(text: str) -> dict:
     return value if isinstance(value, dict) else {"invalid": text}
 
 
+def found_lock(lock: Section, activity: Section | None = None) -> LockState:
+    """A lock lock.sh printed (`lock`, `held` or `stale`: its JSON line), with its activity."""
+    return LockState(True, info=_json_object(lock.text), activity=_json_object(activity.text) if activity else None)
+
+
 def parse_lock(lines: list[str]) -> LockState:
-    present, alive, info, why, activity = False, False, None, None, None
-    for line in lines:
-        key, _, rest = line.partition(" ")
-        if key == "lock":
-            present, info = True, _json_object(rest)
-        elif key == "lock_alive":
-            flag, _, why = rest.strip().partition(" ")
-            alive = flag == "1"
-        elif key == "activity":
-            activity = _json_object(rest)
-    return LockState(present, alive and present, info, (why or None) if alive else None, activity if present else None,
-                     rebooted=present and not alive and why == "rebooted")
+    """What lock.sh `read` printed (its sections, facts/framing.py) as a LockState."""
+    sections = split(lines)
+    if "lock" not in sections:
+        return LockState()
+    found = found_lock(sections["lock"], sections.get("activity"))
+    flag, _, why = sections.get("lock_alive", Section(None, ())).text.strip().partition(" ")
+    alive = flag == "1"
+    return replace(found, alive=alive, why=(why or None) if alive else None, rebooted=not alive and why == "rebooted")
 
 
 class HostLock(FactBase):

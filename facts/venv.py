@@ -20,12 +20,19 @@ from servestack.releases import RELEASE_ID, TOOL, encode
 from servestack.scripts import python_script_command, script_command
 
 HISTORY_KEY = "activations"
+RESULT = "result"   # the section the host tool prints its result in (files/scripts/ml_env.py)
 
 
 def tool_command(python: str, command: str, params: dict) -> str:
     """The venv step's host tool (files/scripts/ml_env.py, stdlib only) running `command` with
     `params` (base64 JSON): `python -I -S -c TOOL COMMAND PARAMS` (servestack/scripts.py)."""
     return python_script_command(python, TOOL, command, encode(params), site=False)
+
+
+def tool_result(lines):
+    """What a tool command printed as its result (JSON); None when it printed none (no python)."""
+    found = split(lines).get(RESULT)
+    return json.loads(found.text) if found else None
 
 
 def guarded_tool_command(python: str, command: str, params: dict) -> str:
@@ -155,8 +162,7 @@ class ActivePackages(FactBase):
         return guarded_tool_command(python, "packages", {"venv_path": venv_path, "releases_dir": releases_dir})
 
     def process(self, output):
-        text = "\n".join(output).strip()
-        return json.loads(text) if text else None
+        return tool_result(output)
 
 
 class MlEnvBackups(FactBase):
@@ -177,8 +183,7 @@ class MlEnvBackups(FactBase):
         return guarded_tool_command(python, "backups", {"state_dir": state_dir})
 
     def process(self, output):
-        text = "\n".join(output).strip()
-        return json.loads(text)["backups"] if text else []
+        return (tool_result(output) or {}).get("backups", [])
 
     @staticmethod
     def default() -> list:

@@ -31,8 +31,8 @@ from servestack.patchsets import PATCH_ROOT
 from servestack.paths import PATCH_RECORDS
 from servestack.scripts import python_script_command, script_command
 
-# What starts the report line of the python probes (files/scripts/verify-python.py, verify-http.py).
-MARK = "::servestack-verify::"
+# The section the probes print their report in (files/scripts/verify-python.py, verify-http.py, verify-http.sh).
+REPORT = "report"
 SAMPLE_SOURCE = PROJECT_ROOT / "files" / "verify" / "vector_add.cu"
 OUTPUT = "output"   # the section `reporting` frames
 
@@ -73,7 +73,7 @@ class VerifyPython(_Reported):
 
     def command(self, python: str, packages: tuple[str, ...]) -> str:
         py = shlex.quote(python)
-        probe = python_script_command(python, "verify-python.py", MARK, json.dumps(list(packages)))
+        probe = python_script_command(python, "verify-python.py", json.dumps(list(packages)))
         return reporting(f"if [ -x {py} ]; then {probe}; else echo 'no python at '{py}; exit 127; fi")
 
 
@@ -107,7 +107,7 @@ class PatchCheck(_Reported):
 class ServiceHttp(_Reported):
     """
     The service's answer to GET /health and, with `request`, to a real POST /generate, asked from
-    the host itself (files/scripts/verify-http.sh): a report line.
+    the host itself (files/scripts/verify-http.sh): its report section.
 
     + python: the venv's interpreter (python3 when it is missing)
     + url: where the service answers (``http://127.0.0.1:30000``)
@@ -116,7 +116,7 @@ class ServiceHttp(_Reported):
 
     def command(self, python: str, url: str, request: str = "") -> str:
         return reporting(script_command("verify-http.sh", env={
-            "URL": url, "MARK": MARK, "PYTHON": python, "REQUEST": request}))
+            "URL": url, "PYTHON": python, "REQUEST": request}))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ dies, its SSH connection closes and the next run finds the lock stale and replac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from packaging.version import InvalidVersion, Version
 from pyinfra import host
@@ -36,7 +36,8 @@ from pyinfra.facts.server import Which
 
 from facts.batch import FactRequest
 from facts.gpu import GpuReport, NvidiaGpus
-from facts.host import DiskSpace, HostLock, LockState, parse_lock, release_lock_command, take_lock_command
+from facts.framing import split
+from facts.host import DiskSpace, HostLock, LockState, found_lock, release_lock_command, take_lock_command
 from facts.preflight import PreflightFacts
 from facts.toolkit import CudaToolkits, RunfileDigest, ToolkitState, toolkit_fact_arguments
 from operations import service
@@ -65,6 +66,7 @@ from servestack.hostrun import (
     run_started,
 )
 from servestack.paths import kept_paths, lock_path, runfile_source
+from servestack.releases import Release
 from servestack.settings import Settings, host_settings
 
 CHECKS = ("driver", "gpus", "compute_capability", "serving", "arch", "install_path", "runfile", "disk",
@@ -387,17 +389,16 @@ def _take_lock(settings: Settings) -> tuple[bool, str]:
     command = take_lock_command(settings.servestack_state_dir, run_id(state), controller_id(), run_started(state))
     ok, stdout, stderr = run_remote(host, command)
     path = lock_path(settings.servestack_state_dir)
-    held = [line[5:] for line in stdout if line.startswith("held ")]
-    if held:
-        return False, f"another servestack run holds {path}: {parse_lock([f'lock {held[0]}']).describe()}"
+    found = split(stdout)
+    if "held" in found:
+        return False, f"another servestack run holds {path}: {found_lock(found['held']).describe()}"
     if not ok:
         return False, f"cannot take {path}: {' '.join(stderr) or 'unknown error'}"
-    stale = [parse_lock([f"lock {line[6:]}"]).describe() for line in stdout if line.startswith("stale ")]
-    if not stale:
+    if "stale" not in found:
         return True, f"lock {path} held by run {run_id(state)}"
-    interrupted = [parse_lock(["lock {}", line]).doing() for line in stdout if line.startswith("activity ")]
-    during = f"; it was interrupted during {interrupted[0]}" if interrupted else ""
-    return True, f"lock {path} held by run {run_id(state)} (replaced a stale lock: {stale[0]}{during})"
+    stale = found_lock(found["stale"], found.get("activity"))
+    during = f"; it was interrupted during {stale.doing()}" if stale.doing() else ""
+    return True, f"lock {path} held by run {run_id(state)} (replaced a stale lock: {stale.describe()}{during})"
 
 
 def held_by(state) -> LockState:
@@ -460,8 +461,8 @@ def preflight(reads: Sequence[FactRequest] = (), decides: Sequence[FactRequest] 
       own facts under -y, where pyinfra runs no operation before the execute stage
 
     The checks run here, while pyinfra prepares the deploy (also with -y, which skips change
-    detection), so a refused host runs no operation at all. deploy.py skips the remaining steps of
-    a refused host: ``if preflight.preflight(...): ...``.
+    detection), so a refused host runs no operation at all. ``locked_run`` skips the remaining steps
+    of a refused host.
     """
     settings = host_settings(host)
     wanted = reads if host.state.should_check_for_changes() else decides
@@ -488,3 +489,27 @@ def lock(reads: Sequence[FactRequest] = ()):
 def release_lock():
     """Release the host lock; call last in deploy.py."""
     lock_free(name="release the host lock")
+
+
+Chosen = TypeVar("Chosen", bound=Release)
+
+
+def locked_run(reads: Callable[..., Sequence[FactRequest]], decides: Sequence[FactRequest],
+               choose: Callable[[], Chosen | None], steps: Callable[[Chosen], object]) -> None:
+    """The one skeleton of a run that changes hosts (deploy.py, rollback.py): preflight, the
+    release chosen, the host's lock, the steps, the lock released.
+
+    + reads: what the steps read of the host, ``reads()`` before the release is chosen and
+      ``reads(release)`` under the lock (deploy.py's ``host_reads``)
+    + decides: what ``choose`` decides from (``preflight``'s ``decides``)
+    + choose: the release this run works towards; None when it refused the host (the run stops there)
+    + steps: the run's steps, given the chosen release (what one step decides is the next one's argument)
+    """
+    if not preflight(reads=reads(), decides=decides):
+        return
+    release = choose()
+    if release is None:
+        return
+    lock(reads=reads(release))
+    steps(release)
+    release_lock()

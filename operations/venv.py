@@ -30,19 +30,18 @@ hard-links files instead of downloading them again.
 
 from __future__ import annotations
 
-import json
 
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, deploy, operation
 
 from facts.batch import FactRequest
-from facts.venv import ActivePackages, MlEnvState, tool_command
+from facts.venv import ActivePackages, MlEnvState, tool_command, tool_result
 from servestack import hostrun, reads, stack_hashes
 from servestack.errors import ConfigError
 from servestack.hostrun import FAILED, REFUSED, fail_host, note, noop, refuse, utc_stamp, while_busy
 from servestack.paths import uv_binary, uv_cache_dir
 from servestack.releases import (
-    CHECK, NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
+    NoRollbackTarget, Release, ReleasePlan, canonical_name, format_diff, package_diff, release_at,
     release_plan, releases_to_prune,
 )
 from servestack.releases import rollback_target as choose_rollback_target
@@ -189,7 +188,7 @@ def build_release(release: ReleasePlan):
     uv = settings.manifest.uv
     params = _params(settings, id=release.id, release_dir=release.dir, inputs=release.inputs,
                      files=release.files, steps=release.steps, bound=release.bound, expect=release.expect,
-                     check_script=CHECK.read_text(), uv=uv_binary(settings), uv_version=uv["version"],
+                     uv=uv_binary(settings), uv_version=uv["version"],
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
                      python=state["python"]["executable"], fixed=fixed and fixed["packages"],
                      fixed_path=str(fixed_path))
@@ -208,9 +207,9 @@ def _fix_stack_hashes(state, host, settings, release: ReleasePlan, path) -> bool
     fixed = stack_hashes.read_fixed(path)   # None, or fixed meanwhile by another host of this run
     params = {"release_dir": release.dir, "fixed": fixed and fixed["packages"]}
     ok, stdout, stderr = hostrun.run_remote(host, tool_command(settings.venv_python, "lock", params))
-    if not ok or not stdout:
+    lock = tool_result(stdout) if ok else None
+    if lock is None:
         return fail_host(host, FAILED, [f"cannot read the lock of release {release.id}: {' '.join(stderr)}"])
-    lock = json.loads(stdout[-1])
     if fixed is None:
         stack_hashes.write_fixed(path, stack_hashes.fixed_document(release.inputs, lock["packages"],
                                                                    f"{host.name}, release {release.id}", utc_stamp()))

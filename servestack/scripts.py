@@ -16,7 +16,10 @@ files' text when it is sent (`script_text`):
 - `source "${BASH_SOURCE[0]%/*}/helpers.sh"` (HELPERS_LINE): the shell functions the scripts share,
   files/scripts/helpers.sh, in its place;
 - `NAME=$(<"${BASH_SOURCE[0]%/*}/PATH")` (a line alone): NAME set to the text of PATH, relative to
-  files/scripts, quoted; a shell script runs a Python tool with `"$python" -I -c "$NAME" ARGS`.
+  files/scripts, quoted; a shell script runs a Python tool with `"$python" -I -c "$NAME" ARGS`;
+- in a Python tool, `NAME = text_beside("PATH")` (a line alone; the tool defines `text_beside`, which
+  reads PATH beside the tool where it lies): NAME set to the text of PATH as a string literal (the
+  venv tool's release check, files/scripts/check_release.py, which it runs in the release's python).
 
 The one exception is the service's secrets file (operations/service.py `secrets_file`): its
 content travels by pyinfra's SFTP upload, because a secret must never sit in a command line, where
@@ -36,12 +39,14 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "files" / "scripts"
 HELPERS = "helpers.sh"
 HELPERS_LINE = 'source "${BASH_SOURCE[0]%/*}/helpers.sh"'
 TEXT_LINE = re.compile(r'^(?P<name>[A-Za-z_][A-Za-z0-9_]*)=\$\(<"\$\{BASH_SOURCE\[0\]%/\*\}/(?P<path>[^"]+)"\)$')
+PYTHON_TEXT_LINE = re.compile(r'^(?P<name>[A-Za-z_][A-Za-z0-9_]*) = text_beside\("(?P<path>[^"]+)"\)$')
 
 
 @functools.cache
-def script_text(name: str) -> str:
+def script_text(name: str | Path) -> str:
     """The script as it is sent to a host: its text, with the helpers' code in place of a line that
-    sources them and each file it reads into a variable (TEXT_LINE) in place of that read."""
+    sources them and each file it reads into a variable (TEXT_LINE, PYTHON_TEXT_LINE) in place of that
+    read (a file read so is sent as it would be itself)."""
     lines = (SCRIPTS / name).read_text().splitlines(keepends=True)
     return "".join(_sent_line(line.rstrip("\n")) or line for line in lines)
 
@@ -51,10 +56,13 @@ def _sent_line(line: str) -> str | None:
     if line == HELPERS_LINE:
         return helpers_code()
     read = TEXT_LINE.match(line)
-    if read is None:
-        return None
-    text = (SCRIPTS / read["path"]).read_text().rstrip("\n")  # as `$(<PATH)` reads it: no final line breaks
-    return f"{read['name']}={shlex.quote(text)}\n"
+    if read is not None:
+        text = script_text(read["path"]).rstrip("\n")  # as `$(<PATH)` reads it: no final line breaks
+        return f"{read['name']}={shlex.quote(text)}\n"
+    read = PYTHON_TEXT_LINE.match(line)
+    if read is not None:
+        return f"{read['name']} = {script_text(read['path'])!r}\n"
+    return None
 
 
 @functools.cache
@@ -93,7 +101,7 @@ def python_script_command(python: str, name: str | Path, *args, env: dict | None
     interpreter's own site-packages are there (a release's python and its packages).
     """
     flags = ["-I"] if site else ["-I", "-S"]
-    words = [shlex.quote(python), *flags, "-c", shlex.quote((SCRIPTS / name).read_text()), *_quoted(args)]
+    words = [shlex.quote(python), *flags, "-c", shlex.quote(script_text(name)), *_quoted(args)]
     return " ".join(_assignments(env) + words)
 
 

@@ -8,18 +8,20 @@
 # remote commands (the CUDA installer) also hold `flock` on STATE_DIR/lock.busy while they run: a
 # lock whose connection is gone while such a command still runs is not stale.
 #
-#   read                         prints `lock <json line>` and `lock_alive 1 <why>` (why: connection,
-#                                busy, no-owner) or `lock_alive 0 [rebooted]` (rebooted: the host
-#                                booted since), then `activity <json line>` when
-#                                lock.activity names what a long command of a run is doing (or was
-#                                doing when its run was interrupted: files/scripts/busy.sh); nothing
-#                                when there is no lock. Exit 0.
+#   read                         prints the lock as facts/framing.py sections (helpers.sh `section`):
+#                                `lock` (its JSON line), `lock_alive` (`1 <why>`, why: connection, busy,
+#                                no-owner; or `0 [rebooted]`, rebooted: the host booted since), then
+#                                `activity` (its JSON line) when lock.activity names what a long
+#                                command of a run is doing (or was doing when its run was interrupted:
+#                                files/scripts/busy.sh); nothing when there is no lock. Exit 0.
 #   take RUN_ID CONTROLLER STARTED
 #                                creates STATE_DIR (mode 755) if missing and takes the lock under
 #                                `flock` on STATE_DIR/lock.guard. Prints `taken`, `ours` (RUN_ID holds
-#                                it already) or `stale <old json line>` [`activity <its activity>`] then
-#                                `taken` (the stale lock and activity are kept as *.stale-<UTC>). Exit 3 printing `held <json line>` when a
-#                                live run holds it; 1 with the reason on stderr when it cannot take it.
+#                                it already) or the sections `stale` (the old JSON line) [`activity`
+#                                (its activity)] then `taken` (the stale lock and activity are kept as
+#                                *.stale-<UTC>). Exit 3 printing the section `held` (the JSON line)
+#                                when a live run holds it; 1 with the reason on stderr when it cannot
+#                                take it.
 #   release RUN_ID               removes the lock if RUN_ID holds it: prints `released` or `not-ours`.
 #
 # Shell builtins only, but for flock and mv: this runs on every converge of every host.
@@ -80,9 +82,9 @@ session_process() {   # $owner: the sshd process this shell runs under, or null
 case $1 in
 read)
     [ -f "$lock" ] || exit 0
-    first_line "$lock"; printf 'lock %s\n' "$line"
-    if lock_alive; then echo "lock_alive 1 $why"; else echo "lock_alive 0${why:+ $why}"; fi
-    if [ -f "$lock.activity" ]; then first_line "$lock.activity"; printf 'activity %s\n' "$line"; fi
+    first_line "$lock"; section lock printf '%s\n' "$line"
+    if lock_alive; then section lock_alive echo 1 "$why"; else section lock_alive echo "0${why:+ $why}"; fi
+    if [ -f "$lock.activity" ]; then first_line "$lock.activity"; section activity printf '%s\n' "$line"; fi
     ;;
 take)
     run=$3 controller=$4 started=$5
@@ -91,12 +93,12 @@ take)
     if [ -f "$lock" ]; then
         field run_id "$lock"
         [ "$value" = "$run" ] && { echo ours; exit 0; }
-        lock_alive && { first_line "$lock"; printf 'held %s\n' "$line"; exit 3; }
-        first_line "$lock"; printf 'stale %s\n' "$line"
+        lock_alive && { first_line "$lock"; section held printf '%s\n' "$line"; exit 3; }
+        first_line "$lock"; section stale printf '%s\n' "$line"
         utc_stamp
         mv "$lock" "$lock.stale-$stamp"
         if [ -f "$lock.activity" ]; then
-            first_line "$lock.activity"; printf 'activity %s\n' "$line"
+            first_line "$lock.activity"; section activity printf '%s\n' "$line"
             mv "$lock.activity" "$lock.activity.stale-$stamp"
         fi
     fi

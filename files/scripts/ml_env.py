@@ -19,8 +19,9 @@ the mechanical part on the host, where renames are atomic and JSON records are w
     backups   print a summary of each kept snapshot (the listing command's fact; changes nothing)
 
 Every failure prints one line starting with "servestack:" to stderr and exits non-zero. Each
-command prints its result as one JSON line, last on stdout; `build` prints a progress line before
-and after each of its steps first ("servestack: install step 2 (...): done after 3.1 s").
+command prints its result as one JSON line in the section `result` (facts/framing.py), last on
+stdout; `build` prints a progress line before and after each of its steps first ("servestack:
+install step 2 (...): done after 3.1 s").
 """
 
 # Other imports are local to the functions that need them.
@@ -44,6 +45,17 @@ LIST_PACKAGES = (
     "print(json.dumps({'python': platform.python_version(), 'prefix': sys.prefix,\n"
     "                  'packages': {n: v for n, v in sorted(seen.values(), key=lambda i: i[0].lower())}}))\n"
 )
+
+
+def text_beside(name):
+    """The text of files/scripts/NAME, read beside this file where it lies (the tests run it there). Sent to
+    a host, it has no file: servestack/scripts.py puts NAME's text in place of the line that calls this."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)) as handle:
+        return handle.read()
+
+
+# the release's checks, run in its own python (check_release)
+CHECK_SCRIPT = text_beside("check_release.py")
 
 
 class Failure(Exception):
@@ -345,6 +357,11 @@ def write_out(text):
         os.close(devnull)
 
 
+def section(name, text):
+    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
+    write_out("@@servestack begin %s\n%s\n\n@@servestack end %s 0\n" % (name, text, name))
+
+
 def exit_text(returncode):
     if returncode < 0:
         return "killed by %s" % CRASH_SIGNALS.get(-returncode, "signal %d" % -returncode)
@@ -374,7 +391,7 @@ def check_release(python, params, log):
     import subprocess
     check = os.path.join(params["release_dir"], "check.py")
     with open(check, "w") as handle:
-        handle.write(params["check_script"])
+        handle.write(CHECK_SCRIPT)
     result = subprocess.run([python, check, json.dumps(params["expect"])], capture_output=True, text=True)
     log.write("$ %s %s\n%s%s" % (python, check, result.stdout, result.stderr))
     if result.returncode != 0:
@@ -622,7 +639,7 @@ def main(argv):
     except Failure as failure:
         sys.stderr.write("servestack: %s\n" % failure)
         return 1
-    write_out(json.dumps(result, sort_keys=True) + "\n")
+    section("result", json.dumps(result, sort_keys=True))
     return 0
 
 

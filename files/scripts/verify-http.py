@@ -1,9 +1,9 @@
-"""verify-http.py MARK BASE REQUEST  (run by the venv's python, else python3: `python -I -c TEXT ...`)
+"""verify-http.py BASE REQUEST  (run by the venv's python, else python3: `python -I -c TEXT ...`)
 
 Asks the service at BASE (http://ADDRESS:PORT) for GET /health and, unless REQUEST is `null`, a
 real POST /generate with REQUEST (JSON), from the host itself.
 
-Output: one line, MARK followed by a JSON object:
+Output: the JSON object below as the section `report` (facts/framing.py):
   {"base", "health": status | "health_error",
    "generate_status", "generate_text" | "generate_body" (not JSON) | "generate_error"}
 Exit: 0; what failed is in the report.
@@ -13,10 +13,16 @@ import sys
 import urllib.error
 import urllib.request
 
-if len(sys.argv) != 4:
-    sys.stderr.write("usage: verify-http.py MARK BASE REQUEST\n")
+
+def section(name, text):
+    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
+    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
+
+
+if len(sys.argv) != 3:
+    sys.stderr.write("usage: verify-http.py BASE REQUEST\n")
     sys.exit(2)
-MARK, BASE, REQUEST = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+BASE, REQUEST = sys.argv[1], json.loads(sys.argv[2])
 out = {"base": BASE}
 
 
@@ -50,4 +56,4 @@ if REQUEST is not None:
         generate()
     except Exception as exc:
         out["generate_error"] = f"{type(exc).__name__}: {exc}"
-print(MARK + json.dumps(out))
+section("report", json.dumps(out))

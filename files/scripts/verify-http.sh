@@ -5,7 +5,6 @@
 # Inputs (environment):
 #   URL      where the service answers: http://ADDRESS:PORT (an IPv6 ADDRESS in brackets), one of
 #            the host's own addresses
-#   MARK     what starts the report line
 #   PYTHON   the venv's python (python3 when it is not executable)
 #   REQUEST  the POST /generate request (JSON); empty: GET /health only
 #
@@ -15,23 +14,24 @@
 # says why. Loopback needs no connect timeout; another address might sit behind a firewall that
 # drops, so coreutils' timeout bounds bash there (or, without timeout, curl's --max-time).
 #
-# Output: one line, MARK followed by a JSON object: {"base", "health": status | "health_error"}
+# Output: the section `report` (facts/framing.py; helpers.sh `section`), a JSON object:
+#   {"base", "health": status | "health_error"}
 # (files/scripts/verify-http.py, which the python runs, adds the /generate fields).
 # Exit: 0; what failed is in the report (2: an input missing, a usage line on stderr).
 set -u
 source "${BASH_SOURCE[0]%/*}/helpers.sh"
 USAGE='verify-http.sh  (inputs in the environment; facts/verify.py ServiceHttp runs it)'
-need_env URL MARK PYTHON
+need_env URL PYTHON
 probe=$(<"${BASH_SOURCE[0]%/*}/verify-http.py")
 
 BASH_CANNOT_CONNECT=100
 
-report() { printf '%s{"base": "%s", %s}\n' "$MARK" "$URL" "$1"; }
+report() { section report printf '{"base": "%s", %s}\n' "$URL" "$1"; }
 
 ask_with_python() {
     local python=$PYTHON
     [ -x "$python" ] || python=python3
-    "$python" -I -c "$probe" "$MARK" "$URL" "${REQUEST:-null}"
+    "$python" -I -c "$probe" "$URL" "${REQUEST:-null}"
 }
 
 # The report, or exit BASH_CANNOT_CONNECT without one. Run in a subshell (it opens fd 3).
@@ -74,8 +74,8 @@ case $ADDRESS in
         answered=$? ;;
     *)
         if command -v timeout >/dev/null 2>&1; then
-            export -f ask_with_bash report
-            export ADDRESS PORT URL MARK BASH_CANNOT_CONNECT
+            export -f ask_with_bash report section
+            export ADDRESS PORT URL BASH_CANNOT_CONNECT
             timeout 35 bash -c ask_with_bash 2>/dev/null
             answered=$?
             if [ "$answered" = 124 ]; then report '"health_error": "no answer within 35 s"'; fi

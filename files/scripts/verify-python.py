@@ -1,10 +1,11 @@
-"""verify-python.py MARK NAMES  (run by the active venv's python: `python -I -c TEXT MARK NAMES`)
+"""verify-python.py NAMES  (run by the active venv's python: `python -I -c TEXT NAMES`)
 
 What the release checks (servestack/checks/release.py) judge, as seen from inside the venv:
 the installed version of each package NAMES lists (a JSON list), torch's CUDA build and its view
 of the GPUs (a small sum and matmul on every device), and SGLang's is_sm120_supported().
 
-Output: one line, MARK followed by a JSON object (anything printed before it is noise: warnings):
+Output: the JSON object below as the section `report` (facts/framing.py; anything printed
+before it is noise: warnings):
   {"executable", "prefix", "packages": {name: version or null},
    "torch": {"version", "cuda", "available", "unavailable_reason" (when not available), "count", "names",
              "capabilities", "ops"} | "torch_error",
@@ -17,10 +18,16 @@ import os
 import sys
 import warnings
 
-if len(sys.argv) != 3:
-    sys.stderr.write("usage: verify-python.py MARK NAMES\n")
+
+def section(name, text):
+    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
+    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
+
+
+if len(sys.argv) != 2:
+    sys.stderr.write("usage: verify-python.py NAMES\n")
     sys.exit(2)
-MARK, NAMES = sys.argv[1], json.loads(sys.argv[2])
+NAMES = json.loads(sys.argv[1])
 out = {"executable": sys.executable, "prefix": sys.prefix, "packages": {}}
 for name in NAMES:
     try:
@@ -73,4 +80,4 @@ try:
     out["sm120"] = bool(is_sm120_supported())
 except Exception as exc:
     out["sm120_error"] = error(exc)
-print(MARK + json.dumps(out))
+section("report", json.dumps(out))

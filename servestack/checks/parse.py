@@ -1,4 +1,4 @@
-"""Reading what the host-side checks printed: report lines, the sample's results, versions."""
+"""Reading what the host-side checks printed: report sections, the sample's results, versions."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 from packaging.version import InvalidVersion, Version
 
-from facts.framing import Section
+from facts.framing import Section, split
 from facts.toolkit import parse_json_object
-from facts.verify import MARK, HostReport
+from facts.verify import REPORT, HostReport
 from servestack.paths import PATCH_RECORDS
 
 
@@ -21,15 +21,13 @@ def tail(section: Section, count: int) -> str:
 
 
 def report(section: Section) -> dict | None:
-    """The report a python probe printed: its last line starting with MARK, a JSON object."""
-    for line in reversed(section.lines):
-        if line.startswith(MARK):
-            try:
-                value = json.loads(line[len(MARK):])
-            except ValueError:
-                return None
-            return value if isinstance(value, dict) else None
-    return None
+    """The report a probe printed: its section REPORT (the last one), a JSON object."""
+    found = split(section.lines).get(REPORT)
+    try:
+        value = json.loads(found.text) if found else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def patch_report(section: Section) -> dict | None:

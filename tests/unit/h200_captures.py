@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from facts.framing import Section, printed
+from facts.verify import REPORT
 from servestack.checks.catalogue import CHECKS
 from servestack.checks.outcome import PASSED
 from servestack.checks.readings import Readings
@@ -19,6 +21,19 @@ def fixture_lines(name: str) -> list[str]:
     lines = path.read_text().splitlines()
     assert lines[0].startswith("$ ") and lines[-1].startswith("[exit ")
     return lines[1:-1]
+
+
+# What started the python probes' report line when the captures were made (2026-11-30, 2026-12-01);
+# the probes now print their report as the section REPORT (facts/framing.py).
+CAPTURED_REPORT_MARK = "::servestack-verify::"
+
+
+def with_report_section(section: Section) -> Section:
+    """A captured probe's output as the probe prints it today: its report line as the REPORT section."""
+    lines = [line for captured in section.lines
+             for line in (printed(REPORT, captured.removeprefix(CAPTURED_REPORT_MARK))
+                          if captured.startswith(CAPTURED_REPORT_MARK + "{") else (captured,))]
+    return Section(section.rc, tuple(lines))
 
 
 def device_settings(**data):

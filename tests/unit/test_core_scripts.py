@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from facts.framing import Section, split
 from facts.host import (
     HostLock,
     LockState,
     disk_command,
+    found_lock,
     lock_read_command,
     parse_disks,
     parse_lock,
@@ -105,8 +107,9 @@ FILE_READ = re.compile(r'^(\w+)=\$\(<"\$\{BASH_SOURCE\[0\]%/\*\}/([^"]+)"\)$', f
 
 
 def with_files_read(text: str) -> str:
-    """`text` as it is sent: each line `NAME=$(<"${BASH_SOURCE[0]%/*}/PATH")` is NAME set to PATH's text."""
-    return FILE_READ.sub(lambda read: f"{read[1]}={shlex.quote(read_as_shell_does(SCRIPTS / read[2]))}", text)
+    """`text` as it is sent: each line `NAME=$(<"${BASH_SOURCE[0]%/*}/PATH")` is NAME set to PATH's text as
+    PATH itself is sent (the gate's copy of the venv tool carries the release check the tool carries)."""
+    return FILE_READ.sub(lambda read: f"{read[1]}={shlex.quote(script_text(read[2]).rstrip(chr(10)))}", text)
 
 
 def read_as_shell_does(path: Path) -> str:
@@ -465,7 +468,7 @@ def test_take_is_ours_then_held_for_another_run(tmp_path):
     assert (lock("take", state_dir, "run-A", "ctl:1", "T").stdout) == "ours\n"
     before = (state_dir / "lock").read_text()
     held = lock("take", state_dir, "run-B", "ctl:2", "T")
-    assert held.returncode == 3 and held.stdout == f"held {before}"
+    assert held.returncode == 3 and split(held.stdout.splitlines()) == {"held": Section(0, (before.rstrip("\n"),))}
     assert (state_dir / "lock").read_text() == before
     found = read_lock(state_dir)
     assert found.present and found.alive and found.run_id == "run-A"
@@ -500,7 +503,8 @@ def test_the_lock_names_its_ssh_session_and_is_stale_once_that_is_gone(tmp_path)
     assert not read_lock(state_dir).alive
     before = (state_dir / "lock").read_text()
     taken = lock("take", state_dir, "run-B", "ctl:2", "T")
-    assert (taken.returncode, taken.stdout) == (0, f"stale {before}taken\n")
+    assert taken.returncode == 0 and taken.stdout.endswith("\ntaken\n")
+    assert split(taken.stdout.splitlines()) == {"stale": Section(0, (before.rstrip("\n"),))}
     assert json.loads((state_dir / "lock").read_text())["run_id"] == "run-B"
     kept = [p for p in state_dir.iterdir() if p.name.startswith("lock.stale-")]
     assert len(kept) == 1 and kept[0].read_text() == before
@@ -518,6 +522,23 @@ def test_a_lock_whose_owner_process_is_gone_or_another_is_stale(tmp_path):
     found = read_lock(state_dir)
     assert not found.alive and not found.rebooted   # the same boot: its connection is gone
     assert lock("take", state_dir, "run-B", "ctl:2", "T").stdout.endswith("taken\n")
+
+
+def test_a_stale_lock_is_replaced_saying_what_its_run_was_doing(tmp_path):
+    """lock.sh frames the lock it replaces and its activity as sections; preflight reads them with
+    facts/framing.py `split` (operations/preflight.py `_take_lock`)."""
+    state_dir = tmp_path / "state"
+    lock("take", state_dir, "run-A", "ctl:1", "T")
+    set_field(state_dir / "lock", "pid", 4194304)
+    activity = {"step": "venv build r-0123456789ab", "since": "T1", "pid": 77, "run_id": "run-A"}
+    (state_dir / "lock.activity").write_text(json.dumps(activity) + "\n")
+    assert read_lock(state_dir).activity == activity
+    taken = lock("take", state_dir, "run-B", "ctl:2", "T")
+    found = split(taken.stdout.splitlines())
+    assert taken.returncode == 0 and sorted(found) == ["activity", "stale"]
+    stale = found_lock(found["stale"], found["activity"])
+    assert stale.describe() == "run run-A from ctl:1, started T"
+    assert stale.doing() == "'venv build r-0123456789ab' (since T1, pid 77)"
 
 
 def test_the_lock_of_a_rebooted_host_is_stale(tmp_path):

@@ -4,7 +4,8 @@ batch-*.txt): each fact's own parser on its real output, the batch's framing (fa
 facts/framing.py) on a real batch, and every host-level check judged from them.
 
 Unlike test_verify_checks.py's captures of 2026-11-30 (made before the refactor, translated line by
-line), these are the refactored facts' own outputs, read with no translation.
+line), these are the refactored facts' own outputs, read with one translation: the python probe's
+report line, which it now prints as a report section (h200_captures.py `with_report_section`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from facts.batch import FactRequest, section_name
 from facts.framing import Section, split
 from facts.verify import VerificationRecord
 from servestack.checks.readings import Readings, requests
-from tests.unit.h200_captures import assert_passes_every_host_level_check, device_settings
+from tests.unit.h200_captures import assert_passes_every_host_level_check, device_settings, with_report_section
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "h200-ubuntu2404" / "verify"
 # The groups of the "verify" batch, in the order run_on_device.sh sent them (one fact each on this
@@ -52,7 +53,8 @@ def batch_sections(name: str) -> dict[str, Section]:
 def captured_readings() -> Readings:
     readings = Readings("@local")
     for group in BATCH_GROUPS:
-        readings.store(group, [alone(group)])
+        value = alone(group)
+        readings.store(group, [with_report_section(value) if group == "python" else value])
     return readings
 
 

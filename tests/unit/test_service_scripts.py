@@ -263,7 +263,7 @@ def test_the_gate_records_its_rollback_with_the_venv_steps_tool():
     of its own."""
     text = (SCRIPTS / service.GATE_SCRIPT).read_text()
     assert "<<" not in text and '-c "$ml_env_tool" record "$SS_ROLLBACK_RECORD"' in text
-    tool = TOOL.read_text().rstrip("\n")
+    tool = script_text(TOOL).rstrip("\n")
     assert f"\nml_env_tool={shlex.quote(tool)}\n" in script_text(service.GATE_SCRIPT)  # in the command
     env = service.gate_environment(settings(), service.release(settings(), "r-0123456789ab"), "f" * 64,
                                    {"release": "r-ba9876543210"})

@@ -19,14 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from facts.framing import split
+from facts.verify import REPORT
 from sandbox.standins import Gpu, dress_gpu_host, render_nvidia_smi
 from sandbox.standins.toolkit import write_toolkit_tree
 from sandbox.standins.wheels import build_wheel, torch_wheel
+from tests.unit.h200_captures import CAPTURED_REPORT_MARK
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURES = ROOT / "tests" / "fixtures" / "h200-ubuntu2404" / "verify"
 H200 = Gpu(name="NVIDIA H200", compute_cap="9.0", count=1, driver_version="580.159.04", memory_mib=143771)
-MARK = "::servestack-verify::"
 
 
 def captured_output(name: str) -> list[str]:
@@ -57,16 +59,15 @@ def verify_python_report(tmp_path: Path, gpu: Gpu | None, **env: str) -> dict:
     path = os.environ["PATH"] if gpu is None else f"{host_bin(tmp_path, gpu)}:{os.environ['PATH']}"
     script = (ROOT / "files" / "scripts" / "verify-python.py").read_text()
     environment = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
-    run = subprocess.run([sys.executable, "-c", script, MARK, json.dumps(["torch"])], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(["torch"])], capture_output=True, text=True,
                          env={**environment, "PATH": path, "PYTHONPATH": str(stand_in_torch(tmp_path)), **env},
                          timeout=120)
-    line = next(line for line in run.stdout.splitlines() if line.startswith(MARK))
-    return json.loads(line.removeprefix(MARK))
+    return json.loads(split(run.stdout.splitlines())[REPORT].text)
 
 
 def test_the_stand_in_torch_reports_the_stand_in_h200_as_real_torch_reported_the_real_one(tmp_path):
     real = json.loads(next(line for line in captured_output("fact-verify-python.txt")
-                           if line.startswith(MARK)).removeprefix(MARK))
+                           if line.startswith(CAPTURED_REPORT_MARK)).removeprefix(CAPTURED_REPORT_MARK))
     assert verify_python_report(tmp_path, H200)["torch"] == real["torch"]
 
 

@@ -249,7 +249,7 @@ def test_lock_take_is_exclusive_and_stale_locks_are_replaced(tmp_path):
     assert sh(take_lock_command(state, "run-A", "ctl:1", "T")).stdout == "ours\n"
     # No sshd above this shell: the owner is unknown, so the lock holds until reboot.
     held = sh(take_lock_command(state, "run-B", "ctl:2", "T"))
-    assert held.returncode == 3 and held.stdout.startswith("held ")
+    assert held.returncode == 3 and held.stdout.startswith("@@servestack begin held\n")
     lock = parse_lock(sh(lock_read_command(state)).stdout.splitlines())
     assert lock.present and lock.alive and lock.run_id == "run-A"
     # A lock whose owner process is gone (here: a pid that does not exist) is stale.
@@ -257,7 +257,7 @@ def test_lock_take_is_exclusive_and_stale_locks_are_replaced(tmp_path):
     path.write_text(path.read_text().replace('"pid": null', '"pid": 4194304'))
     assert not parse_lock(sh(lock_read_command(state)).stdout.splitlines()).alive
     taken = sh(take_lock_command(state, "run-B", "ctl:2", "T"))
-    assert taken.stdout.startswith("stale ") and taken.stdout.endswith("taken\n")
+    assert taken.stdout.startswith("@@servestack begin stale\n") and taken.stdout.endswith("\ntaken\n")
     assert json.loads(path.read_text())["run_id"] == "run-B"
     assert sh(release_lock_command(state, "run-A")).stdout == "not-ours\n"
     assert sh(release_lock_command(state, "run-B")).stdout == "released\n"

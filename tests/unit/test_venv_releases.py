@@ -3,17 +3,22 @@
 import base64
 import json
 import re
+import inspect
 import shlex
+import subprocess
+import sys
 
 import pytest
 
 from servestack.errors import ConfigError
 from servestack.manifest import load_manifest
 from facts.venv import guarded_tool_command, tool_command
+from operations import venv as venv_step
 from servestack.releases import (
-    TOOL, NoRollbackTarget, encode, format_diff,
+    CHECK, TOOL, NoRollbackTarget, encode, format_diff,
     package_diff, python_series, release_plan, releases_to_prune, rollback_target, upload_bound,
 )
+from servestack.scripts import script_text
 from servestack.settings import settings_from_data
 
 
@@ -131,10 +136,20 @@ def test_python_series():
 def test_tool_command_ships_the_tool_and_its_params():
     command = tool_command("python3", "packages", {"venv_path": "/opt/ml-env"})
     words = shlex.split(command)
-    assert words[:5] == ["python3", "-I", "-S", "-c", TOOL.read_text()] and words[5] == "packages"
+    assert words[:5] == ["python3", "-I", "-S", "-c", script_text(TOOL)] and words[5] == "packages"
     assert json.loads(base64.b64decode(words[6])) == {"venv_path": "/opt/ml-env"} and len(words) == 7
     guarded = guarded_tool_command("python3", "state", {})
     assert guarded == f"if command -v python3 >/dev/null 2>&1; then {tool_command('python3', 'state', {})}; fi"
+
+
+def test_the_release_check_travels_in_the_tools_text_not_its_parameters(tmp_path):
+    """The venv tool runs files/scripts/check_release.py in the release's python: its text is in the
+    tool's text as sent (servestack/scripts.py), so the tool needs no file beside it on the host."""
+    sent = script_text(TOOL)
+    assert f"\nCHECK_SCRIPT = {CHECK.read_text()!r}\n" in sent and not re.search(r'= text_beside\("', sent)
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", sent], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.startswith("usage: ml_env.py"), run.stderr   # not a NameError
+    assert "check_script" not in inspect.getsource(venv_step.build_release)
 
 
 def test_encode_is_shell_safe():

@@ -27,7 +27,7 @@ from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
 
 from facts import venv as facts_venv
-from facts.venv import MlEnvState
+from facts.venv import MlEnvState, tool_result
 from operations import venv as venv_step
 from operations.venv import activate_release, mlenv_fact_arguments
 from sandbox.standins.stack import reference_stack
@@ -113,8 +113,8 @@ def test_step_files_group_by_step_and_index():
 
 def run_tool(command, params):
     result = subprocess.run([sys.executable, str(TOOL), command, encode(params)], capture_output=True, text=True)
-    # the result is the last line; a build prints its progress before it
-    output = json.loads(result.stdout.splitlines()[-1]) if result.returncode == 0 else None
+    # the result is the section `result`; a build prints its progress before it
+    output = tool_result(result.stdout.splitlines()) if result.returncode == 0 else None
     return result.returncode, output, result.stderr
 
 
@@ -446,7 +446,6 @@ def build_params(host, index, tmp_path, **data):
     plan = dataclasses.replace(plan, dir=f"{host['releases_dir']}/{plan.id}")
     return plan, {**host, "id": plan.id, "release_dir": plan.dir, "inputs": plan.inputs, "files": plan.files,
                   "steps": plan.steps, "bound": plan.bound, "expect": plan.expect,
-                  "check_script": CHECK.read_text(),
                   "uv_version": load_manifest().uv["version"], "uv_index_url": "http://127.0.0.1:9/none",
                   "cache_dir": str(tmp_path / "uv-cache"), "python": HOST_PYTHON}
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from facts.framing import BEGIN, Section
+from facts.framing import BEGIN, Section, printed
 from facts.gpu import SMI_TIMEOUT_S, parse_gpu_output
 from facts.toolkit import fingerprint_command, parse_fingerprint, parse_toolkits
-from facts.verify import (MARK, OUTPUT, SAMPLE_SOURCE, CudaSample, HostReport, VerifyHost, parse_host_report,
+from facts.verify import (OUTPUT, REPORT, SAMPLE_SOURCE, CudaSample, HostReport, VerifyHost, parse_host_report,
                           reporting, reported)
 from operations.toolkit import kept_paths
 from sandbox.standins.toolkit import nvcc_version_text
@@ -30,7 +30,7 @@ from servestack.checks.readings import GROUPS, Readings, read_batch, requests
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest
 from servestack.scripts import script_text
 from servestack.settings import settings_from_data
-from tests.unit.h200_captures import assert_passes_every_host_level_check, device_settings
+from tests.unit.h200_captures import assert_passes_every_host_level_check, device_settings, with_report_section
 
 STATE = ("gpu", "toolkit", "kept", "host")
 
@@ -427,7 +427,7 @@ def torch_report(**torch) -> Readings:
     stack = manifest.stacks[manifest.service["profiles"][manifest.service["profile"]]["stack"]]
     packages = {package.name: package.version for package in stack.packages}
     found = {"prefix": "/opt/ml-env", "packages": packages, "torch": info}
-    return Readings("h200", python=Section(0, ("warning: noise", MARK + json.dumps(found))))
+    return Readings("h200", python=Section(0, ("warning: noise", *printed(REPORT, json.dumps(found)))))
 
 
 def test_the_real_h200_torch_passes_the_torch_checks(h200):
@@ -461,7 +461,7 @@ def test_package_versions_must_match_local_labels_too(h200):
     found = report(readings.python)
     found["packages"]["torch"] = "2.9.1+cu128"
     found["packages"]["sgl-kernel"] = None
-    readings = Readings("h200", python=Section(0, (MARK + json.dumps(found),)))
+    readings = Readings("h200", python=Section(0, printed(REPORT, json.dumps(found))))
     assert outcome("package_version", settings, readings, "torch").detail == (
         "torch 2.9.1+cu128 in /opt/ml-env on h200, expected 2.9.1+cu130")
     assert "sgl-kernel is not installed" in outcome("package_version", settings, readings, "sgl-kernel").detail
@@ -724,8 +724,8 @@ def test_health_and_generate_need_200_and_text(h200):
     settings = h200.settings()
 
     def http(**found):
-        line = MARK + json.dumps({"base": "http://127.0.0.1:30000", **found})
-        return Readings("h200", host=HostReport(systemd=True), http=Section(0, (line,)))
+        answer = printed(REPORT, json.dumps({"base": "http://127.0.0.1:30000", **found}))
+        return Readings("h200", host=HostReport(systemd=True), http=Section(0, answer))
 
     assert outcome("service_health", settings, http(health=200)).passed
     assert outcome("service_health", settings, http(health=503)).detail == (
@@ -917,7 +917,8 @@ def captured_sections(name: str) -> dict[str, Section]:
 def device_readings(*groups: str) -> Readings:
     """The captures as today's facts read them: each captured section is what one of them prints
     (the GPUs' and toolkits' facts ran the same commands), the host script's translated line by
-    line into verify-host.sh's `KEY<TAB>VALUE` lines."""
+    line into verify-host.sh's `KEY<TAB>VALUE` lines, the python probe's report line into its
+    report section."""
     readings = Readings("@local")
     if "host" in groups:
         host = captured_sections("probe-host.txt")
@@ -937,8 +938,10 @@ def device_readings(*groups: str) -> Readings:
                     for line in host["unit_secrets"].lines] if host["unit_secrets"].ok else ["unit_files\tunreadable"]),
                  f"secrets_file\t{host['secrets_file'].text}"]
         readings.host = parse_host_report(lines)
-    for group in set(groups) & {"python", "sample"}:
-        setattr(readings, group, captured_sections(f"probe-{group}.txt")[group])
+    if "sample" in groups:
+        readings.sample = captured_sections("probe-sample.txt")["sample"]
+    if "python" in groups:
+        readings.python = with_report_section(captured_sections("probe-python.txt")["python"])
     return readings
 
 
