@@ -39,6 +39,7 @@ def upgrade(release):
     service.sglang_service(release=release)
     speculation.speculation(release=release)
     verify.verify(release=release)
+    weights.prune()
 
 
 settings = host_settings(host)

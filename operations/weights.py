@@ -20,6 +20,11 @@ files/scripts/busy.sh like the other long steps, then checks every file against 
 hashes (fetching a differing one again) and writes the record atomically. A token
 (service_hub_token_env) travels as the service's secrets file does, into a root-only file the Hub
 client reads (HF_TOKEN_PATH), removed when the download ends.
+
+`prune()` runs after the service step (deploy.py): it removes the staged revisions past the newest
+`service_models_keep` of each repository (`StagedRevisions`, in the same batched read), never what
+this run serves, a pre-staged copy, or, checked on the host at that moment, a revision the active,
+the known-good or a gate's unfinished unit serves.
 """
 
 from __future__ import annotations
@@ -34,16 +39,16 @@ from pyinfra.api import FileUploadCommand, QuoteString, StringCommand, deploy, o
 
 from facts.batch import FactRequest
 from facts.service import ServiceRecord
-from facts.weights import SCRIPT, WeightsPlan
+from facts.weights import SCRIPT, StagedRevisions, WeightsPlan
 from servestack import reads
 from servestack.hostrun import REFUSED, fail_host, noop, plan, refuse, while_busy
-from servestack.paths import SECRETS_DIR, secrets_staging_path
+from servestack.paths import SECRETS_DIR, candidate_unit_path, good_unit_path, secrets_staging_path, unit_path
 from servestack.releases import Release
 from servestack.scripts import atomic_copy_command, python_script_command, script
 from servestack.settings import Settings, host_settings
-from servestack.weights import StagedModel, pin_problems, pinned_models, token_problems
+from servestack.weights import (ROLES, StagedModel, is_current, pin_problems, pinned_models, revisions_to_prune,
+                                served_path, token_problems)
 
-RECORD_SCHEMA = 1
 STEP = "model weights download"
 # The Hub token, for the download only: written like the service's secrets file (files/scripts/secrets-file.sh:
 # root, 0600, its text by SFTP, never on a command line) and removed when the download ends.
@@ -68,15 +73,9 @@ def record_paths(settings: Settings) -> tuple[str, ...]:
 
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
     """What this step reads before it decides: the records of the models the host serves (the Hub's
-    file list only when one is not current)."""
-    return [FactRequest.of(ServiceRecord, path=path) for path in record_paths(settings)]
-
-
-def is_current(record: dict | None, model: StagedModel, settings: Settings) -> bool:
-    """Whether the step's record says `model`'s revision was staged and verified where the unit finds it."""
-    return record is not None and (record.get("schema"), record.get("repo"), record.get("revision"),
-                                   record.get("dir")) == (RECORD_SCHEMA, model.repo, model.revision,
-                                                          model.directory(settings))
+    file list only when one is not current), and every revision staged (what the prune decides from)."""
+    return [*(FactRequest.of(ServiceRecord, path=path) for path in record_paths(settings)),
+            FactRequest.of(StagedRevisions, models_dir=settings.service_models_dir)]
 
 
 def due_models(settings: Settings) -> list[StagedModel]:
@@ -193,6 +192,54 @@ def stage_weights(release: Release):
     if settings.service_hub_token_env is not None:
         yield from token_upload(settings.service_hub_token_env)
     yield while_busy(host, settings.servestack_state_dir, STEP, fetch_command(settings, release, due))
+
+
+def served_dirs(settings: Settings) -> set[str]:
+    """The directories this run's unit serves: the staged or pre-staged copies, or a local path as it is."""
+    return {path for role in ROLES if (path := served_path(settings, role)) is not None}
+
+
+def prune_choice(settings: Settings) -> list[dict]:
+    """The staged revisions past the newest service_models_keep of their repository, but what this run serves."""
+    staged = reads.fact(host, StagedRevisions, models_dir=settings.service_models_dir) or []
+    return revisions_to_prune(staged, settings.service_models_keep, served_dirs(settings))
+
+
+def prune_line(settings: Settings, entry: dict) -> str:
+    record = entry["record"] or {}
+    what = (f"{record.get('repo')}@{str(record.get('revision'))[:12]} ({human_bytes(int(record.get('bytes') or 0))})"
+            if record else f"{entry['dir']} (a download that never finished)")
+    return (f"prune the model weights {what} in {settings.service_models_dir}: past the newest "
+            f"{settings.service_models_keep} of its repository (service_models_keep), unless the active or the "
+            "known-good unit serves it once the service step is done")
+
+
+@operation()
+def prune_models():
+    """
+    Remove the staged model revisions past the newest ``service_models_keep`` of each repository.
+
+    Run after the service step verified the unit (deploy.py): the host-side script reads the active unit,
+    the known-good one and a gate's unfinished one as they are then, and keeps every revision one of them
+    serves, whatever was chosen here. What this run serves and pre-staged copies are never chosen.
+    """
+    settings = host_settings(host)
+    remove = prune_choice(settings)
+    if not remove:
+        noop(host, f"no model revision to prune (keeping {settings.service_models_keep} of each repository)")
+        return
+    for entry in remove:
+        plan(host, prune_line(settings, entry))
+    params = json.dumps({"remove": [entry["dir"] for entry in remove],
+                         "units": [unit_path(settings), good_unit_path(settings), candidate_unit_path(settings)]})
+    yield StringCommand(python_script_command(settings.venv_python, SCRIPT, "prune", params, site=False))
+
+
+@deploy("Old model weights")
+def prune():
+    """The staged revisions no longer wanted, removed once the service step verified the unit that serves
+    this run's (deploy.py runs it after the service and speculation steps; a host they failed never gets here)."""
+    prune_models(name="Prune old model weights")
 
 
 @deploy("Model weights")

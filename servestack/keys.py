@@ -102,6 +102,9 @@ SERVICE_KEYS = {  # name: (checker, meaning); defaults are the manifest's [servi
     "start_limit_burst": (integer(1, 100), "starts of the unit (systemd's automatic restarts) within "
                           "burst x (start_timeout_s + RestartSec) seconds before systemd gives up on a crashing "
                           "server (StartLimitBurst; servestack's own restarts reset the count)"),
+    "models_keep": (integer(1, 100), "staged revisions kept of each model repository in service_models_dir, "
+                    "pruned after the service step verified its unit (one the active or the known-good unit "
+                    "serves, and a pre-staged copy, are never pruned)"),
 }
 PROFILE_KEYS = {  # field: (checker, meaning, required); defaults are the host's profile's
     "stack": (word, "the Python stack the release is built from: a name of the manifest's [stacks]", True),

@@ -7,8 +7,9 @@ Then:
 
 - Ctrl-C or SIGTERM: one line per host naming the step it was in and what the next run will do
   about it, and the run ends with 130 (SIGINT) or 143 (SIGTERM), never 0. Long host-side steps
-  (the CUDA install, a venv build, a health-gated restart) run under files/scripts/busy.sh: they
-  finish on the host, holding its lock, and a run that comes meanwhile refuses the host naming them.
+  (the CUDA install, a venv build, a model download, a health-gated restart) run under
+  files/scripts/busy.sh: they finish on the host, holding its lock, and a run that comes meanwhile
+  refuses the host naming them.
 - A normal end: the recap, one line per host in the spirit of Ansible's PLAY RECAP: changed,
   unchanged, failed or refused, the release the run leaves active, whether the service restarted,
   and the first reason of a failure or refusal, as servestack/hostrun.py kept it; with `--json`, the
@@ -46,6 +47,8 @@ LONG_STEPS = {
              "refuses the host until it ends, then finishes or moves aside the install (toolkit-install.json)",
     "build release": "the build goes on on the host, holding the host's lock; the next run refuses the host "
                      "until it ends, then uses the release if it was built and checked, or rebuilds it",
+    "stage model weights": "the download goes on on the host, holding the host's lock; the next run refuses the "
+                           "host until it ends, then finds the weights verified, or resumes the download",
     "health-gated restart": "the health gate goes on on the host until the service is healthy or rolled back "
                             "to its last good unit, holding the host's lock; the next run refuses the host "
                             "until then, then checks the unit again",

@@ -86,6 +86,7 @@ class Settings:
     service_start_timeout_s: int
     service_health_timeout_s: int
     service_start_limit_burst: int
+    service_models_keep: int
     service_stack: str
     service_model_path: str
     service_model_architecture: str

@@ -14,6 +14,9 @@ For each host of the inventory (group data applied, --limit honoured), from what
                      service_speculation = "auto", or `servestack bench`): the configuration, both
                      means, the gain, the accept length, when and for which release, and what the
                      host's policy picks from those numbers now; "n/a" until a run records one
+    models           each model revision staged in service_models_dir, from the weights step's records
+                     (facts/weights.py `StagedRevisions`): verified when and how large, a pre-staged
+                     copy's place, a download never finished; and which the host's data serves now
 
 Hosts are reached as `servestack verify` reaches them (servestack/verify.py: the inventory's SSH
 data, sudo, @local, @chroot) and read in one remote command each, in parallel. A table, or with
@@ -33,7 +36,9 @@ data, sudo, @local, @chroot) and read in one remote command each, in parallel. A
                     "health": 200 | null, "health_error"},
         "speculation": "n/a" | {"decision", "now", "policy", "min_gain", "speculation_tok_s", "baseline_tok_s",
                                 "gain", "accept_length", "measured_at", "by", "release",
-                                "for_active_release", "simulated"}}}}
+                                "for_active_release", "simulated"},
+        "models": [{"repo", "revision", "dir", "state": "verified" | "pre-staged" | "unfinished" | "missing",
+                    "verified_at", "bytes", "serves": "model" | "draft" | null}]}}}
 
 Times are UTC, ISO 8601; ages are seconds, taken on the host's own clock. Exit status 0 when every
 host was read, else 3 (servestack/errors.py).
@@ -55,6 +60,7 @@ from facts.host import HostLock, LockState
 from facts.service import GAVE_UP, ServiceRecord, gave_up_text, parse_properties
 from facts.venv import MlEnvState
 from facts.verify import VerificationRecord
+from facts.weights import StagedRevisions
 from operations.venv import mlenv_fact_arguments
 from servestack import bench
 from servestack.checks.parse import report
@@ -65,6 +71,7 @@ from servestack.paths import speculation_record_path, verification_record_path
 from servestack.releases import NoRollbackTarget, rollback_target
 from servestack.settings import Settings
 from servestack.verify import Unreachable, read_all, report_console, targets_from_inventory
+from servestack.weights import pinned_models
 
 NOT_RECORDED = "not recorded"
 NOT_APPLICABLE = "n/a"
@@ -101,12 +108,13 @@ class UnitTimes(FactBase):
 def status_requests(settings: Settings) -> list[FactRequest]:
     """What `status` reads of a host, in one remote command: the ML environment (releases,
     history; not its packages), the lock, the verification record, the speculation record, the
-    unit, /health only."""
+    unit, the staged model revisions, /health only."""
     return [FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings)),
             FactRequest.of(HostLock, state_dir=settings.servestack_state_dir),
             FactRequest.of(VerificationRecord, path=verification_record_path(settings)),
             FactRequest.of(ServiceRecord, path=speculation_record_path(settings)),
             FactRequest.of(UnitTimes, unit=settings.service_name),
+            FactRequest.of(StagedRevisions, models_dir=settings.service_models_dir),
             *check_requests(settings, "http", generate=False)]
 
 
@@ -120,11 +128,12 @@ class StatusReadings:
     unit: dict = field(default_factory=dict)  # UnitTimes
     http: Section = Section(None, ())        # ServiceHttp, /health only
     speculation: dict | None = None          # speculation.json
+    staged: list = field(default_factory=list)   # StagedRevisions
 
     @classmethod
     def of(cls, values: list) -> "StatusReadings":
-        env, lock, verified, speculation, unit, http = values
-        return cls(env, lock, verified, unit, http, speculation)
+        env, lock, verified, speculation, unit, staged, http = values
+        return cls(env, lock, verified, unit, http, speculation, staged)
 
 
 # --- times ----------------------------------------------------------------------------------
@@ -196,6 +205,7 @@ def host_status(settings: Settings, readings: StatusReadings) -> dict:
     result["speculation"] = bench.status_summary(readings.speculation,
                                                  ((env or {}).get("venv_path") or {}).get("release"),
                                                  settings.service_speculation, settings.service_speculation_min_gain)
+    result["models"] = models_status(settings, readings.staged)
     return result
 
 
@@ -203,7 +213,25 @@ def unreachable_status(error: str) -> dict:
     return {"reachable": False, "error": error, "host_time": None, "active": None, "releases": [],
             "rollback": {"target": None, "why": "the host could not be read"}, "last_deploy": None,
             "last_activation": None, "last_run": {"run_id": NOT_RECORDED, "result": NOT_RECORDED, "source": None},
-            "verified": None, "service": None, "speculation": NOT_APPLICABLE}
+            "verified": None, "service": None, "speculation": NOT_APPLICABLE, "models": []}
+
+
+def models_status(settings: Settings, staged: list[dict]) -> list[dict]:
+    """The staged revisions as their records say (facts/weights.py `StagedRevisions`), and which of them the
+    host's data serves (its model, its draft)."""
+    serves = {(model.repo, model.revision): model.role for model in pinned_models(settings)}
+    models = []
+    for entry in staged:
+        record = entry["record"] or {}
+        folder, _, revision = entry["dir"].rpartition("/")
+        repo = record.get("repo") or folder.rpartition("/")[2].replace("--", "/", 1)
+        state = ("missing" if not entry["present"] and not record.get("prestaged") else
+                 "pre-staged" if record.get("prestaged") else "verified" if record else "unfinished")
+        models.append({"repo": repo, "revision": revision,
+                       "dir": record.get("dir") if record.get("prestaged") else entry["dir"], "state": state,
+                       "verified_at": iso(parse_stamp(record.get("verified_at"))) or record.get("verified_at"),
+                       "bytes": record.get("bytes"), "serves": serves.get((repo, revision))})
+    return models
 
 
 def _entry(entry: dict | None, *keys: str) -> dict | None:
@@ -400,17 +428,29 @@ def service_cell(status: dict) -> str:
     return f"{state}\n{health}"
 
 
+def models_cell(status: dict) -> str:
+    lines = []
+    for model in status.get("models") or []:
+        size = f"{model['bytes'] / 10**9:.1f} GB" if isinstance(model["bytes"], int) else "?"
+        what = {"verified": f"{size}, verified {_ago(model['verified_at'], status)}",
+                "pre-staged": f"pre-staged copy {model['dir']}, verified {_ago(model['verified_at'], status)}",
+                "unfinished": "a download not finished", "missing": "its directory is missing"}[model["state"]]
+        serves = f" <- {model['serves']}" if model["serves"] else ""
+        lines += [f"{model['repo']}@{model['revision'][:12]}{serves}", f"  {what}"]
+    return "\n".join(lines) or "none staged"
+
+
 def render_table(statuses: dict[str, dict], console) -> None:
     from rich.table import Table
     from rich.text import Text
 
     table = Table(title="servestack status (nothing was changed)", show_lines=True)
-    for column in ("host", "active release", "kept releases", "last run", "service", "speculation"):
+    for column in ("host", "active release", "kept releases", "last run", "service", "speculation", "models"):
         table.add_column(column, overflow="fold")
     for name, status in statuses.items():
         if not status["reachable"]:
             table.add_row(Text(name), Text(f"cannot read the host: {status['error']}", style="bold red"),
-                          "", "", "", bench.status_cell(status["speculation"]))
+                          "", "", "", bench.status_cell(status["speculation"]), "")
             continue
         service = status.get("service") or {}
         healthy = service.get("active") == "active" and service.get("health") == 200
@@ -419,7 +459,7 @@ def render_table(statuses: dict[str, dict], console) -> None:
             cells[0] = f"{cells[0]}\n{status['error']}"
         table.add_row(Text(name), *[Text(cell) for cell in cells],
                       Text(service_cell(status), style="green" if healthy else "bold red"),
-                      Text(bench.status_cell(status["speculation"])))
+                      Text(bench.status_cell(status["speculation"])), Text(models_cell(status)))
     console.print(table)
     unread = [name for name, status in statuses.items() if not status["reachable"]]
     if unread:

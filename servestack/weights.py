@@ -11,12 +11,16 @@ and the unit's --model-path / --speculative-draft-model-path name those director
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 
 from servestack.keys import is_local_path, manifest_models
 from servestack.paths import model_dir, weights_record_path
 from servestack.settings import Settings, secret_variable_problems
 
+RECORD_SCHEMA = 1   # of the weights step's record (files/scripts/stage-weights.py SCHEMA)
+# The unit's flag that names each role's directory (servestack/serving.py `launch_arguments`).
+MODEL_FLAGS = {"model": "--model-path", "draft": "--speculative-draft-model-path"}
 ROLES = {"model": ("service_model_path", "service_model_revision", "service_model_local_copy"),
          "draft": ("service_draft_model_path", "service_draft_model_revision", "service_draft_model_local_copy")}
 
@@ -45,6 +49,13 @@ class StagedModel:
     @property
     def label(self) -> str:
         return f"{self.repo}@{self.revision[:12] if self.revision else '?'}"
+
+
+def is_current(record: dict | None, model: StagedModel, settings: Settings) -> bool:
+    """Whether the weights step's record says `model`'s revision was staged and verified where the unit finds it."""
+    return record is not None and (record.get("schema"), record.get("repo"), record.get("revision"),
+                                   record.get("dir")) == (RECORD_SCHEMA, model.repo, model.revision,
+                                                          model.directory(settings))
 
 
 def _staged(settings: Settings, role: str) -> StagedModel | None:
@@ -94,3 +105,20 @@ def served_path(settings: Settings, role: str) -> str:
     if model is None or model.revision is None:
         return getattr(settings, ROLES[role][0])
     return model.directory(settings)
+
+
+def _newest_first(entry: dict) -> tuple:
+    record = entry["record"] or {}
+    return entry["record"] is not None, str(record.get("verified_at", "")), entry["dir"]
+
+
+def revisions_to_prune(staged: list[dict], keep: int, protect: set[str]) -> list[dict]:
+    """The staged revisions (facts/weights.py `StagedRevisions`) past the newest `keep` of each repository
+    (newest: by the time their record says they were verified; a directory without a record, a download
+    never finished, after those), but those in `protect` (what this run serves) and pre-staged copies."""
+    by_repository: dict[str, list[dict]] = {}
+    for entry in staged:
+        if not (entry["record"] or {}).get("prestaged"):   # its record only: the copy is someone else's
+            by_repository.setdefault(posixpath.dirname(entry["dir"]), []).append(entry)
+    return [entry for _folder, entries in sorted(by_repository.items())
+            for entry in sorted(entries, key=_newest_first, reverse=True)[keep:] if entry["dir"] not in protect]

@@ -3,6 +3,7 @@
 Usage (operations/weights.py sends it: servestack/scripts.py):
     python3 -I -S -c THIS_FILE plan PARAMS        the host's python, standard library only
     <release>/venv/bin/python -I -c THIS_FILE fetch PARAMS    the release's python: its huggingface_hub
+    python3 -I -S -c THIS_FILE prune PRUNE_PARAMS  the host's python, standard library only
 PARAMS, a JSON object:
     endpoint    the Hub (HF_ENDPOINT-style: a mirror's base URL)
     models_dir  service_models_dir: the filesystem whose free space `plan` reports
@@ -28,23 +29,43 @@ fetch: for each model, `snapshot_download(repo_id, revision=REV, local_dir=DIR, 
   "prestaged", "files": {name: size}, "bytes", "verified_at"}, never the token. The command that
   runs this (operations/weights.py `fetch_command`) then puts each FILE.staged in place with
   atomic-write.sh, whatever this exits with.
-  Progress: `servestack: ...` lines on stdout. Failure: `servestack: <reason>` on stderr, exit 1.
+  Progress: `servestack: ...` lines on stdout: what it does, and while a download runs, every
+  SS_PROGRESS_EVERY seconds (default 5), a line per file whose bytes moved and one for the revision, each
+  with bytes, rate and ETA as the runfile download says them ("downloaded 10.5 MB of 12.6 MB (83%),
+  1.0 MB/s, ETA 2 s"); a resumed download says where it resumes.
+  Failure: `servestack: <reason>` on stderr, exit 1.
+prune: PRUNE_PARAMS {"remove": [DIR, ...], "units": [UNIT FILE, ...]}: removes each revision directory
+  of `remove` (the weights step chose them: operations/weights.py `prune_models`), its record first, but
+  one that a unit file of `units` serves as it is now (--model-path, --speculative-draft-model-path: the
+  service step ran before). Says on stdout what it removed or kept. Exit 0; 1 when a removal fails.
 Exit 2: bad usage.
 """
 
 import hashlib
 import json
 import os
+import shlex
+import shutil
 import sys
+import threading
 import time
 
 SCHEMA = 1
 CHUNK = 8 * 1024 * 1024
+_SAYING = threading.Lock()   # the progress thread and the download both say things
 
 
 def say(text):
-    sys.stdout.write("servestack: %s\n" % text)
-    sys.stdout.flush()
+    """A line for the operator on stdout, unless the run that started this is gone (its connection closed):
+    then the download goes on without it (files/scripts/busy.sh), writing to /dev/null from here on."""
+    with _SAYING:
+        try:
+            sys.stdout.write("servestack: %s\n" % text)
+            sys.stdout.flush()
+        except OSError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
 
 
 def fail(text):
@@ -205,13 +226,82 @@ def fetch_one(hub, endpoint, model):
     say("model weights %s@%s: verified (%d files, %s)" % (repo, revision[:12], len(listed), human(total)))
 
 
+# --- progress: bytes, rate and ETA, as the runfile download reports them (files/scripts/cuda-runfile.sh) ---------
+
+def on_disk(directory, listed):
+    """{name: bytes of it on disk}: a finished file's size, else what its partial download holds. huggingface_hub
+    keeps that in DIR/.cache/huggingface/download/[SUBDIR/]<hash>.<etag>.incomplete (0.36.2 and 1.21.0:
+    _local_folder.py `incomplete_path`, L87-89 and L92-94), the etag being the Hub's sha256 of an LFS file,
+    else its git blob id."""
+    partial = {}
+    for folder, _dirs, names in os.walk(os.path.join(directory, ".cache", "huggingface", "download")):
+        for name in names:
+            if name.endswith(".incomplete"):
+                try:
+                    partial[name.rsplit(".", 2)[-2]] = os.stat(os.path.join(folder, name)).st_size
+                except OSError:   # renamed into place meanwhile
+                    pass
+    have = {}
+    for name, sibling in listed.items():
+        etag = sibling.lfs.sha256 if sibling.lfs else sibling.blob_id
+        size = local_size(directory, name)
+        have[name] = size if size is not None and size == sibling.size else partial.get(etag, 0)
+    return have
+
+
+def rate_text(done, size, rate):
+    """'downloaded 10.5 MB of 12.6 MB (83%), 1.0 MB/s, ETA 2 s' (cuda-runfile.sh's words)."""
+    rate = max(rate, 0)
+    eta = "%d s" % ((size - done) / rate) if rate > 0 else "?"
+    return "downloaded %s of %s (%d%%), %s/s, ETA %s" % (human(done), human(size), done * 100 // max(size, 1),
+                                                         human(int(rate)), eta)
+
+
+class Progress(threading.Thread):
+    """While the download runs, every SS_PROGRESS_EVERY seconds (default 5): a line for each file whose bytes
+    moved, then one for the whole revision (bytes, rate, ETA)."""
+
+    def __init__(self, label, directory, listed):
+        super().__init__(daemon=True)
+        self.label, self.directory, self.listed = label, directory, listed
+        self.every = float(os.environ.get("SS_PROGRESS_EVERY") or 5)
+        self.done = threading.Event()
+        self.last, self.when = on_disk(directory, listed), time.monotonic()
+
+    def run(self):
+        total = sum(sibling.size or 0 for sibling in self.listed.values())
+        while not self.done.wait(self.every):
+            now, when = on_disk(self.directory, self.listed), time.monotonic()
+            elapsed = max(when - self.when, 1e-3)
+            for name in sorted(now):
+                if now[name] != self.last.get(name):
+                    say("%s: %s: %s" % (self.label, name, rate_text(now[name], self.listed[name].size or 0,
+                                                                    (now[name] - self.last.get(name, 0)) / elapsed)))
+            done = sum(now.values())
+            say("%s: %s" % (self.label, rate_text(done, total, (done - sum(self.last.values())) / elapsed)))
+            self.last, self.when = now, when
+
+    def stop(self):
+        self.done.set()
+        self.join()
+
+
 def download(hub, endpoint, model, listed, total):
     """snapshot_download into DIR, then every file checked; one that differs is fetched once more."""
     repo, revision, directory = model["repo"], model["revision"], model["dir"]
     say("model weights %s@%s: %d files, %s, into %s" % (repo, revision[:12], len(listed), human(total), directory))
     os.makedirs(directory, exist_ok=True)
+    progress = Progress("model weights %s@%s" % (repo, revision[:12]), directory, listed)
+    here = sum(progress.last.values())
+    if here:
+        say("model weights %s@%s: resuming the download at %s of %s" % (repo, revision[:12], human(here),
+                                                                       human(total)))
     started = time.time()
-    hub.snapshot_download(repo, revision=revision, local_dir=directory, endpoint=endpoint)
+    progress.start()
+    try:
+        hub.snapshot_download(repo, revision=revision, local_dir=directory, endpoint=endpoint)
+    finally:
+        progress.stop()
     elapsed = max(time.time() - started, 1e-3)
     say("model weights %s@%s: downloaded in %.0f s" % (repo, revision[:12], elapsed))
     for name, sibling in sorted(listed.items()):
@@ -248,12 +338,73 @@ def fetch(params):
                                                  str(error).splitlines()[0] if str(error) else ""))
 
 
+# --- prune: the standard library only ----------------------------------------------------------------
+
+MODEL_FLAGS = ("--model-path", "--speculative-draft-model-path")
+
+
+def unit_model_dirs(path):
+    """The directories a unit file's ExecStart serves (--model-path, --speculative-draft-model-path); none
+    when there is no such file."""
+    try:
+        with open(path) as stream:
+            text = stream.read().replace("\\\n", " ")   # systemd's continued lines
+    except OSError:
+        return set()
+    named = set()
+    for line in text.splitlines():
+        if not line.startswith("ExecStart="):
+            continue
+        try:
+            words = shlex.split(line[len("ExecStart="):])
+        except ValueError:
+            words = line[len("ExecStart="):].split()
+        for flag, value in zip(words, words[1:] + [""]):
+            name, _, joined = flag.partition("=")
+            if flag in MODEL_FLAGS and value:
+                named.add(os.path.normpath(value))
+            elif name in MODEL_FLAGS and joined:
+                named.add(os.path.normpath(joined))
+    return named
+
+
+def tree_bytes(directory):
+    total = 0
+    for folder, _dirs, names in os.walk(directory):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def prune(params):
+    """Remove each revision directory of `remove` (its record first: a directory left without one is checked
+    again before it is served), but one a unit file of `units` serves now."""
+    served = set()
+    for unit in params["units"]:
+        served |= unit_model_dirs(unit)
+    for directory in params["remove"]:
+        if os.path.normpath(directory) in served:
+            say("model weights %s: kept, a unit of the service serves it" % directory)
+            continue
+        size = tree_bytes(directory)
+        try:
+            os.remove(directory + ".verified.json")
+        except FileNotFoundError:
+            pass
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        say("model weights %s: pruned (%s)" % (directory, human(size)))
+
+
 def main(argv):
-    if len(argv) != 2 or argv[0] not in ("plan", "fetch"):
-        sys.stderr.write("usage: stage-weights.py plan|fetch PARAMS\n")
+    modes = {"plan": plan, "fetch": fetch, "prune": prune}
+    if len(argv) != 2 or argv[0] not in modes:
+        sys.stderr.write("usage: stage-weights.py plan|fetch|prune PARAMS\n")
         return 2
-    params = json.loads(argv[1])
-    (plan if argv[0] == "plan" else fetch)(params)
+    modes[argv[0]](json.loads(argv[1]))
     return 0
 
 

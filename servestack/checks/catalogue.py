@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from servestack.checks import gpus, release, service, toolkit
+from servestack.checks import gpus, release, service, toolkit, weights
 from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Fail, Outcome, Skip
 from servestack.checks.readings import Readings, in_order
 from servestack.settings import Settings
@@ -48,6 +48,7 @@ CHECKS = (
     Check("torch_cuda_op", ("python",), release.torch_cuda_op),
     Check("sglang_sm120", ("python",), release.sglang_sm120, deployed=True),
     Check("patches_applied", ("host", "patches"), release.patches_applied, deployed=True),
+    Check("served_weights", ("weights",), weights.served_weights, deployed=True),
     Check("service_active", ("host",), service.service_active, deployed=True),
     Check("service_user", ("host",), service.service_user, deployed=True),
     Check("service_environment", ("host",), service.service_environment, deployed=True),

@@ -10,6 +10,7 @@ parser; a group, or several, is read in one remote command:
     host     the toolkit's package and path, the active release, the service: facts/verify.py VerifyHost
     python   the active venv's python: VerifyPython
     patches  the patches step's check of the active release: PatchCheck (needs `host`: its record)
+    weights  the unit file and the weights step's record of each pinned model: FileContents, ServiceRecord
     sample   the CUDA sample: CudaSample
     http     /health and /generate: ServiceHttp
 
@@ -23,9 +24,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from pyinfra.facts.files import FileContents
+
 from facts.batch import FactBatch, FactRequest, batches, section_name
 from facts.framing import Section, split
 from facts.gpu import GpuReport, NvidiaGpus
+from facts.service import ServiceRecord
 from facts.toolkit import (
     CudaToolkits,
     Fingerprint,
@@ -37,11 +41,12 @@ from facts.toolkit import (
 )
 from facts.verify import CudaSample, HostReport, PatchCheck, ServiceHttp, VerifyHost, VerifyPython
 from servestack.checks.parse import patch_record_for
-from servestack.paths import kept_paths, patch_record_path, secrets_path
+from servestack.paths import kept_paths, patch_record_path, secrets_path, unit_path
 from servestack.serving import GENERATE_REQUEST, check_url
 from servestack.settings import PINNED_ENV, Settings
+from servestack.weights import pinned_models
 
-GROUPS = ("gpu", "toolkit", "kept", "host", "python", "patches", "sample", "http")
+GROUPS = ("gpu", "toolkit", "kept", "host", "python", "patches", "weights", "sample", "http")
 NEEDS = {"patches": ("host",)}   # groups whose requests depend on what another group read
 NOT_READ = Section(None, ())
 
@@ -57,6 +62,7 @@ class Readings:
     host: HostReport = field(default_factory=HostReport)
     python: Section = NOT_READ
     patches: Section = NOT_READ
+    weights: list = field(default_factory=lambda: [None])   # the unit file's lines, then each pinned model's record
     sample: Section = NOT_READ
     http: Section = NOT_READ
     groups: set[str] = field(default_factory=set)   # the groups read
@@ -81,6 +87,8 @@ class Readings:
         """Keep what `requests(..., group, ...)` read, in the order of its requests."""
         if group == "kept":
             self.kept = {fingerprint.path: fingerprint for fingerprint in values if fingerprint is not None}
+        elif group == "weights":
+            self.weights = values
         else:
             setattr(self, "toolkits" if group == "toolkit" else group, values[0])
         self.groups.add(group)
@@ -123,6 +131,9 @@ def requests(settings: Settings, group: str, readings: Readings | None = None, *
             return [FactRequest.of(PatchCheck, python=release.python, record_path=patch_record_path(release))]
         host = readings.host if readings else HostReport()
         return [FactRequest.of(PatchCheck, python=venv_python(settings), record_path=patch_record_for(host))]
+    if group == "weights":
+        return [FactRequest.of(FileContents, path=unit_path(settings)),
+                *(FactRequest.of(ServiceRecord, path=model.record(settings)) for model in pinned_models(settings))]
     if group == "sample":
         return [FactRequest.of(CudaSample, nvcc=f"{settings.cuda_install_path}/bin/nvcc",
                                work_parent=settings.servestack_state_dir)]

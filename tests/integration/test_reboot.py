@@ -2,10 +2,11 @@
 
 test_interrupted.py kills the CONTROLLER mid-step; here the HOST's machine restarts instead
 (`Lab.reboot`: a power loss, every process of the host SIGKILLed, then a boot from the same disk).
-The step is held on the host by a stand-in's knob file (as in test_interrupted.py), so the reboot
-meets it running however slow the machine is. After the reboot the host must boot with what it had
-before the step (toolkit, environment, service), and the next run must say what was interrupted,
-clean up only what that step made, and converge; the run after it changes nothing.
+The step is held on the host by a stand-in's knob file (as in test_interrupted.py; the model download:
+its process stopped), so the reboot meets it running however slow the machine is. After the reboot
+the host must boot with what it had before the step (toolkit, environment, service), and the next run
+must say what was interrupted, clean up only what that step made (the model download: resume it), and
+converge; the run after it changes nothing.
 """
 
 import json
@@ -17,7 +18,9 @@ from pyinfra_run import apply
 from sandbox.hosts import BOOTED_STATES
 from sandbox.lab import STANDIN_SERVER_DIR
 from sandbox.standins.wheels import FLASHINFER_IMPORT_HOLD
+from sandbox.standins import hub
 from test_interrupted import INSTALL_HOLD, SERVER_HOLD, STALE_LOCK_WARNING, hold, release, start, wait_for_step
+from test_weights import BIG, KIMI, control, download_process, hub_requests
 
 pytestmark = pytest.mark.integration
 
@@ -186,4 +189,35 @@ def test_a_reboot_during_the_runfile_install_boots_the_previous_toolkit_and_the_
     assert "release 13.0" in the_lab.exec(host, "/usr/local/cuda-13.0/bin/nvcc --version", check=True).stdout
     assert "release 12.8" in the_lab.exec(host, "/usr/local/cuda-12.8/bin/nvcc --version", check=True).stdout
     the_lab.exec(host, "test ! -e /var/lib/servestack/toolkit-install.json", check=True)
+    assert serving(the_lab, host, timeout=10)
+
+
+def test_a_reboot_during_the_model_download_boots_the_previous_service_and_the_next_run_resumes_the_download(lab):
+    the_lab = lab(1)
+    host = the_lab.hosts[0]
+    apply(the_lab)
+    unit = the_lab.exec(host, f"sha256sum {UNIT}", check=True).stdout
+    moved = ("--data", "service_models_dir=/srv/models")   # the weights are staged again elsewhere: a new download
+    staged = f"/srv/models/{KIMI.replace('/', '--')}/{hub.commits()[KIMI]}"
+    partial = f"{staged}/.cache/huggingface/download"       # where huggingface_hub keeps a file being downloaded
+    control(the_lab, "add_fault", f"{hub.PREFIX}/{KIMI}/resolve/*/{BIG}", "slow", after=hub.MIB // 2)   # ~25 s
+    run = start(the_lab, *moved)
+    downloading = wait_for_step(the_lab, host, "model weights download")
+    python = download_process(the_lab, host, downloading["pid"])
+    # held once part of the big file is on disk: the host waits for it itself, no round trip races the download
+    the_lab.exec(host, f"until [ -n \"$(find {partial} -name '*.incomplete' -size +1024k 2>/dev/null)\" ]; do "
+                       f"sleep 0.05; done; kill -STOP {python}", check=True, timeout=240)
+    reboot_during(the_lab, host, run)
+
+    assert the_lab.exec(host, f"sha256sum {UNIT}", check=True).stdout == unit
+    assert serving(the_lab, host), the_lab.exec(host, "systemctl status sglang.service").stdout
+    have = int(the_lab.exec(host, f"stat -c %s {partial}/*.incomplete", check=True).stdout)
+    assert 0 < have < hub.WEIGHT_SIZES[0]
+    control(the_lab, "reset")
+    next_runs_converge(the_lab, downloading, *moved)
+    big = [(record["method"], record["range"]) for record in hub_requests(the_lab)
+           if record["path"].endswith(f"/{KIMI}/resolve/{hub.commits()[KIMI]}/{BIG}")]
+    assert big == [("HEAD", None), ("GET", f"bytes={have}-")], "the download started over"
+    assert hub.served_bytes(hub_requests(the_lab), KIMI, BIG) == hub.WEIGHT_SIZES[0] - have
+    assert f"--model-path {staged} " in the_lab.exec(host, f"cat {UNIT}", check=True).stdout
     assert serving(the_lab, host, timeout=10)

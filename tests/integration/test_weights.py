@@ -1,19 +1,23 @@
 """The weights step on sandbox hosts: the profile's model and draft staged from the STAND-IN Hub
 (sandbox/standins/hub.py, served by the lab's artifact server under /hub) by the release's real
 huggingface_hub, before the service step; the unit names the staged directories; a converged host
-changes nothing and fetches nothing; a cut download resumes on the next run.
+changes nothing and fetches nothing; a cut download resumes on the next run; a controller killed during
+the download leaves it going on on the host, under the lock.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from pyinfra_run import apply, dry_run, run_pyinfra
 from sandbox.lab import ARTIFACT_PORT
+from test_interrupted import interrupt, start, wait_for_step, wait_until_idle
 from sandbox.standins import hub
 from servestack.manifest import PROJECT_ROOT
 
@@ -40,6 +44,17 @@ def staged_dir(repo: str) -> str:
 
 def hub_requests(lab) -> list[dict]:
     return [record for record in control(lab, "requests") if record["path"].startswith(hub.PREFIX + "/")]
+
+
+def download_process(lab, host, busy_pid: int, timeout: float = 240) -> str:
+    """The pid of the download's python: busy.sh (`busy_pid`, its lock.activity's) runs `bash -c`, which runs it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = lab.exec(host, f"pgrep -f -P \"$(pgrep -d, -P {busy_pid})\" stage-weights").stdout.split()
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no download started under busy.sh {busy_pid} on {host.name} within {timeout} s")
 
 
 def test_weights_are_staged_before_the_restart_resume_when_cut_and_are_not_fetched_again(lab):
@@ -170,3 +185,35 @@ def test_a_prestaged_copy_is_served_without_a_transfer_and_one_that_differs_is_r
     assert f"the pre-staged copy {other} of {KIMI}@{hub.commits()[KIMI][:12]} differs from the Hub's file list (it " \
            f"is left as it is): {BIG} (absent)" in refused.output, refused.output[-6000:]
     assert the_lab.fingerprints() == fingerprints
+
+
+def test_sigterm_during_the_download_leaves_it_going_on_under_the_lock_and_an_immediate_rerun_refuses(lab):
+    the_lab = lab(1)
+    host = the_lab.hosts[0]
+    control(the_lab, "add_fault", f"{hub.PREFIX}/{KIMI}/resolve/*/{BIG}", "slow", after=hub.MIB)   # about 12 s
+    run = start(the_lab)
+    downloading = wait_for_step(the_lab, host, "model weights download")
+    python = download_process(the_lab, host, downloading["pid"])
+    the_lab.exec(host, f"kill -STOP {python}", check=True)   # held until the test lets it go: no clock to race
+    output = interrupt(run, signal.SIGTERM)
+    assert run.returncode == 143, output[-4000:]
+    assert "[h1] interrupted during 'Model weights | Stage model weights': the download goes on on the host, " \
+           "holding the host's lock" in output, output[-4000:]
+
+    again = run_pyinfra(the_lab, "-y")   # the killed run's download is still there, held
+    assert again.returncode != 0
+    assert f"another servestack run holds /var/lib/servestack/lock: run {downloading['run_id']}" in again.output, \
+        again.output[-4000:]
+    assert "its connection is gone, but 'model weights download'" in again.output, again.output[-4000:]
+    assert the_lab.exec(host, f"test -e {UNIT}").returncode != 0
+
+    the_lab.exec(host, f"kill -CONT {python}", check=True)
+    wait_until_idle(the_lab, host)
+    # it finished on the host without its run (its output has nowhere to go): verified, recorded, fetched once
+    record = json.loads(the_lab.exec(host, f"cat {staged_dir(KIMI)}.verified.json", check=True).stdout)
+    assert (record["repo"], record["revision"]) == (KIMI, hub.commits()[KIMI])
+    assert hub.served_bytes(hub_requests(the_lab), KIMI, BIG) == hub.WEIGHT_SIZES[0]
+    control(the_lab, "reset")
+    assert apply(the_lab).totals["error"] == 0
+    assert [record for record in hub_requests(the_lab) if "/resolve/" in record["path"]] == []   # none again
+    assert apply(the_lab).totals["success"] == 0

@@ -33,7 +33,7 @@ LAYERS = {
         "servestack.download", "servestack.runreport",
         "servestack.checks", "servestack.checks.catalogue", "servestack.checks.gpus", "servestack.checks.parse",
         "servestack.checks.readings", "servestack.checks.release", "servestack.checks.service",
-        "servestack.checks.toolkit"),
+        "servestack.checks.toolkit", "servestack.checks.weights"),
     # L2 operations: the steps
     2: ("operations", "operations.patches", "operations.preflight", "operations.prestart", "operations.service",
         "operations.speculation", "operations.toolkit", "operations.venv", "operations.verify", "operations.weights"),

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from facts.batch import FactBatch, batches
-from facts.framing import Section
+from facts.framing import Section, printed
 from facts.host import LockState
-from facts.verify import MARK
+from facts.verify import REPORT
 from servestack import status
 from servestack.backups import format_backups, snapshot_of
 from servestack.cli import build_parser
@@ -59,7 +59,7 @@ def unit(active="active", sub="running", since_boot_s=UPTIME - 1800) -> dict:
 
 def health(code: int | None = 200, error: str | None = None) -> Section:
     answer = {"base": "http://127.0.0.1:30000", **({"health": code} if code else {"health_error": error})}
-    return Section(0, (MARK + json.dumps(answer),))
+    return Section(0, printed(REPORT, json.dumps(answer)))
 
 
 def readings(**overrides) -> StatusReadings:
@@ -192,7 +192,7 @@ def test_ages_read_short(seconds, text):
 def test_status_reads_a_host_in_one_command_asking_health_only(settings):
     wanted = status.status_requests(settings)
     assert [request.name for request in wanted] == ["MlEnvState", "HostLock", "VerificationRecord", "ServiceRecord",
-                                                    "UnitTimes", "ServiceHttp"]
+                                                    "UnitTimes", "StagedRevisions", "ServiceHttp"]
     assert dict(wanted[3].kwargs)["path"] == "/var/lib/servestack/speculation.json"
     assert len(batches(wanted)) == 1
     assert dict(wanted[-1].kwargs)["request"] == ""         # GET /health, never a real /generate

@@ -206,6 +206,6 @@ def test_host_reads_list_the_record_only_where_it_is_used():
     settings = host_settings(fake_host(state))
     names = {request.name for request in verify_step.host_reads(settings, RELEASE)}
     assert names == {"NvidiaGpus", "CudaToolkits", "ToolkitFingerprint", "VerifyHost", "ServiceHttp",
-                     "VerificationRecord"}
+                     "VerificationRecord", "FileContents"}
     assert "VerificationRecord" not in {request.name for request in
                                         verify_step.host_reads(settings, RELEASE, names=GPU_CHECKS)}

@@ -3,22 +3,35 @@ directories the unit names, and the weights step's decisions."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from operations.weights import TOKEN_FILE, disk_needed, fetch_command, is_current, plan_lines, plan_problems
+from facts.batch import FactRequest
+from facts.framing import Section
+from facts.weights import SCRIPT, StagedRevisions
+from operations.service import render_unit
+from operations.weights import (TOKEN_FILE, disk_needed, fetch_command, plan_lines, plan_problems, prune_line,
+                                served_dirs)
 from sandbox.lab import sandbox_manifest
 from sandbox.standins import hub
 from sandbox.standins.runfile import RunfileInfo
 from servestack.errors import ConfigError
 from servestack.keys import check_manifest_defaults, manifest_models
 from servestack.manifest import DEFAULT_MANIFEST, load_manifest, parse_manifest
+from servestack import status
+from servestack.checks.outcome import Fail, Skip
+from servestack.checks.weights import served_weights
 from servestack.releases import release_at
+from servestack.scripts import SCRIPTS
 from servestack.serving import launch_arguments
 from servestack.settings import settings_from_data
-from servestack.weights import pin_problems, pinned_models, served_path, staged_models, token_problems
+from servestack.weights import (is_current, pin_problems, pinned_models, revisions_to_prune, served_path,
+                                staged_models, token_problems)
 
 try:
     import tomllib
@@ -213,3 +226,135 @@ def test_a_hub_token_comes_from_the_control_machines_environment_and_is_never_on
     gated = wanted(0, 10**12, f"the Hub will not give {KIMI} without a token it accepts")
     gated["models"][0]["needs_token"] = True
     assert plan_problems(settings(), gated) and plan_problems(host, gated) == []
+
+
+# --- pruning old revisions -----------------------------------------------------------------------------
+
+def staged(path: str, verified_at: str | None = None, **record) -> dict:
+    repo = path.rsplit("/", 2)[-2].replace("--", "/", 1)
+    return {"dir": path, "present": True, "record": None if verified_at is None else
+            {"schema": 1, "repo": repo, "revision": path[-40:], "dir": path, "bytes": 10**9,
+             "verified_at": verified_at, **record}}
+
+
+def test_old_revisions_past_the_newest_kept_are_pruned_never_what_the_run_serves_nor_a_prestaged_copy():
+    kimi, draft = "/m/nvidia--Kimi-K2.5-NVFP4", "/m/lightseekorg--kimi-k2.5-eagle3"
+    C, D = "c" * 40, "d" * 40
+    entries = [staged(f"{kimi}/{A}", "20260101T000000Z"), staged(f"{kimi}/{B}", "20260301T000000Z"),
+               staged(f"{kimi}/{C}", "20260201T000000Z"), staged(f"{kimi}/{D}"),       # D: never finished
+               staged(f"{draft}/{A}", "20260101T000000Z"), staged(f"{draft}/{B}", "20250101T000000Z", prestaged=True)]
+    chosen = revisions_to_prune(entries, 1, {f"{kimi}/{A}"})
+    assert [entry["dir"] for entry in chosen] == [f"{kimi}/{C}", f"{kimi}/{D}"]   # B newest; A served; draft B copy
+    assert [entry["dir"] for entry in revisions_to_prune(entries, 2, set())] == [f"{kimi}/{A}", f"{kimi}/{D}"]
+    assert revisions_to_prune(entries, 4, set()) == []
+    host = settings(service_model_revision=A, service_draft_model_revision=B, service_models_dir="/m",
+                    service_draft_model_local_copy="/srv/draft")
+    assert served_dirs(host) == {f"{kimi}/{A}", "/srv/draft"}
+    assert prune_line(host, entries[2]) == (
+        f"prune the model weights {KIMI}@{C[:12]} (1.0 GB) in /m: past the newest 2 of its repository "
+        "(service_models_keep), unless the active or the known-good unit serves it once the service step is done")
+
+
+def test_the_number_kept_is_the_manifests_unless_host_data_says_and_is_bounded():
+    assert settings().service_models_keep == 2
+    assert settings(service_models_keep=1).service_models_keep == 1
+    for wrong in (0, 101):
+        with pytest.raises(ConfigError, match="service_models_keep"):
+            settings(service_models_keep=wrong)
+
+
+def test_the_staged_revisions_are_read_with_their_records_by_shell_builtins(tmp_path):
+    models = tmp_path / "models"
+    kimi, draft = models / "nvidia--Kimi-K2.5-NVFP4", models / "lightseekorg--kimi-k2.5-eagle3"
+    (kimi / A).mkdir(parents=True)
+    (kimi / B).mkdir()
+    (kimi / "not-a-revision").mkdir()
+    (kimi / f"{A}.verified.json").write_text('{"repo": "nvidia/Kimi-K2.5-NVFP4", "revision": "%s"}\n' % A)
+    draft.mkdir()
+    (draft / f"{A}.verified.json").write_text('{"prestaged": true, "dir": "/srv/draft"}\n')   # a copy elsewhere
+    fact = StagedRevisions()
+    out = subprocess.run(["sh", "-c", fact.command(str(models))], capture_output=True, text=True, check=True)
+    assert fact.process(out.stdout.splitlines()) == [
+        {"dir": f"{draft}/{A}", "present": False, "record": {"prestaged": True, "dir": "/srv/draft"}},
+        {"dir": f"{kimi}/{A}", "present": True, "record": {"repo": KIMI, "revision": A}},
+        {"dir": f"{kimi}/{B}", "present": True, "record": None}]
+    empty = subprocess.run(["sh", "-c", fact.command(str(tmp_path / "none"))], capture_output=True, text=True)
+    assert (empty.returncode, empty.stdout) == (0, "")
+    assert FactRequest.of(StagedRevisions, models_dir=str(tmp_path / "none")).value(Section(0, ())) == []
+
+
+def test_the_host_side_prune_keeps_what_a_unit_serves_then_and_removes_the_record_first(tmp_path):
+    kimi = tmp_path / "nvidia--Kimi-K2.5-NVFP4"
+    for revision in (A, B):
+        (kimi / revision).mkdir(parents=True)
+        (kimi / revision / "model.safetensors").write_bytes(b"x" * 1000)
+        (kimi / f"{revision}.verified.json").write_text("{}\n")
+    unit = tmp_path / "sglang.service"
+    unit.write_text(f"[Service]\nExecStart=/r/venv/bin/python -m sglang.launch_server --model-path {kimi}/{B} "
+                    "--speculative-draft-model-path /srv/draft --tp 8\n")
+    params = json.dumps({"remove": [f"{kimi}/{A}", f"{kimi}/{B}"], "units": [str(unit), str(tmp_path / "absent")]})
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", (SCRIPTS / SCRIPT).read_text(), "prune", params],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert sorted(path.name for path in kimi.iterdir()) == [B, f"{B}.verified.json"]
+    assert out.stdout.splitlines() == [f"servestack: model weights {kimi}/{A}: pruned (1.0 kB)",
+                                       f"servestack: model weights {kimi}/{B}: kept, a unit of the service serves it"]
+
+
+# --- status shows what is staged ----------------------------------------------------------------------
+
+def test_status_shows_each_staged_revision_from_the_records_and_which_the_host_serves():
+    host = settings(service_model_revision=A, service_draft_model_revision=B, service_models_dir="/m")
+    kimi, draft = "/m/nvidia--Kimi-K2.5-NVFP4", "/m/lightseekorg--kimi-k2.5-eagle3"
+    entries = [staged(f"{kimi}/{A}", "20260107T090000Z"), staged(f"{kimi}/{B}"),
+               {"dir": f"{draft}/{B}", "present": False,
+                "record": {"repo": DRAFT, "prestaged": True, "dir": "/srv/draft", "verified_at": "20260107T080000Z"}}]
+    found = status.models_status(host, entries)
+    assert [(model["repo"], model["revision"], model["state"], model["serves"]) for model in found] == [
+        (KIMI, A, "verified", "model"), (KIMI, B, "unfinished", None), (DRAFT, B, "pre-staged", "draft")]
+    assert found[0]["verified_at"] == "2026-01-07T09:00:00Z" and found[2]["dir"] == "/srv/draft"
+    cell = status.models_cell({"models": found, "host_time": "2026-01-07T10:00:00Z"})
+    assert cell.splitlines() == [f"{KIMI}@{A[:12]} <- model", "  1.0 GB, verified 2026-01-07 09:00:00Z (1h ago)",
+                                 f"{KIMI}@{B[:12]}", "  a download not finished",
+                                 f"{DRAFT}@{B[:12]} <- draft",
+                                 "  pre-staged copy /srv/draft, verified 2026-01-07 08:00:00Z (2h ago)"]
+    assert status.models_cell({"models": []}) == "none staged"
+    # read in the same remote command as the rest of the status
+    assert "StagedRevisions" in [request.name for request in status.status_requests(host)]
+
+
+# --- verify: the unit serves the pinned revision, staged and verified ------------------------------------
+
+def test_verify_passes_only_where_the_unit_serves_the_verified_copy_of_each_pinned_revision(tmp_path):
+    host = settings(service_model_revision=A, service_draft_model_revision=B)
+    rel = release_at("/opt/servestack/releases", "r-0123456789ab")
+    models = pinned_models(host)
+    records = [{"schema": 1, "repo": model.repo, "revision": model.revision, "dir": model.directory(host),
+                "verified_at": "20260107T090000Z"} for model in models]
+    unit = render_unit(host, rel, None).splitlines()     # its ExecStart is continued over lines
+
+    def judged(lines, found, settings_=host):
+        return served_weights(settings_, SimpleNamespace(on="on h1", weights=[lines, *found]))
+
+    assert judged(unit, records) == (f"--model-path {models[0].directory(host)}: {KIMI}@{A[:12]}, verified "
+                                     f"20260107T090000Z; --speculative-draft-model-path {models[1].directory(host)}: "
+                                     f"{DRAFT}@{B[:12]}, verified 20260107T090000Z")
+    plain = render_unit(host, rel, None, speculation=False).splitlines()
+    assert judged(plain, records).endswith(f"{DRAFT}@{B[:12]} not served (the unit does not speculate)")
+    with pytest.raises(Fail, match=rf"is not a verified copy of {KIMI}@{A[:12]}: its record names {KIMI}@{B[:12]}"):
+        judged(unit, [{**records[0], "revision": B}, records[1]])
+    with pytest.raises(Fail, match=f"{A[:12]}: no record of it"):
+        judged(unit, [None, records[1]])
+    other = render_unit(settings(service_model_revision=B, service_draft_model_revision=B), rel, None).splitlines()
+    with pytest.raises(Fail, match=f"serves --model-path /var/lib/servestack/models/nvidia--Kimi-K2.5-NVFP4/{B}, "
+                                   f"expected /var/lib/servestack/models/nvidia--Kimi-K2.5-NVFP4/{A}"):
+        judged(other, records)
+    with pytest.raises(Skip, match="serves no model staged from the Hub"):
+        judged(unit, [], settings(service_model_path="/srv/kimi", service_draft_model_path="/srv/draft"))
+    # the host-side prune reads the same continued ExecStart
+    (tmp_path / "sglang.service").write_text("\n".join(unit) + "\n")
+    staged_dirs = [model.directory(host) for model in models]
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", (SCRIPTS / SCRIPT).read_text(), "prune",
+                          json.dumps({"remove": staged_dirs, "units": [str(tmp_path / "sglang.service")]})],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.count("kept, a unit of the service serves it") == 2

@@ -5,6 +5,7 @@ a download that resumes where a cut one stopped, a corrupted file fetched again,
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.error
@@ -45,10 +46,10 @@ def params(server, directory: Path, repo: str, revision: str | None = None, copy
                                    "record": f"{target}.verified.json", "prestaged": copy is not None}]})
 
 
-def stage(python, mode: str, text: str) -> subprocess.CompletedProcess:
+def stage(python, mode: str, text: str, env: dict | None = None) -> subprocess.CompletedProcess:
     flags = ["-I", "-S"] if mode == "plan" else ["-I"]
     return subprocess.run([str(python), *flags, "-c", SCRIPT, mode, text], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
 def requests_for(server, repo: str, name: str) -> list[dict]:
@@ -133,6 +134,31 @@ def test_a_cut_download_resumes_on_the_next_run_without_starting_over(server, tm
     # the first 10 MiB chunk was written before the cut: the second run asks for the rest only
     assert gets == [(None, 11 * hub.MIB), ("bytes=10485760-", hub.WEIGHT_SIZES[0] - 10 * hub.MIB)]
     assert hub.served_bytes([vars(r) for r in server.faults.requests()], KIMI, BIG) < 2 * hub.WEIGHT_SIZES[0]
+
+
+def test_a_download_streams_bytes_rate_and_eta_per_file_and_in_total_and_says_where_it_resumes(server, tmp_path):
+    python = sglang_python("0.5.9")   # huggingface_hub 0.36.2 writes 10 MiB at a time: the big file moves once
+    every = {"SS_PROGRESS_EVERY": "0.3", "PATH": "/usr/bin:/bin"}
+    server.faults.add(Fault(path=f"/hub/{KIMI}/resolve/*/{BIG}", kind="slow", after=4 * hub.MIB))   # ~3 s
+    out = stage(python, "fetch", params(server, tmp_path, KIMI), every)
+    assert out.returncode == 0, out.stderr
+    label = f"servestack: model weights {KIMI}@{hub.commits()[KIMI][:12]}"
+    lines = out.stdout.splitlines()
+    rate = r"downloaded [\d.]+ (MB|kB|B) of {} \(\d+%\), [\d.]+ (MB|kB|B)/s, ETA (\d+ s|\?)$"
+    per_file = [line for line in lines if re.match(re.escape(f"{label}: {BIG}: ") + rate.format("12.6 MB"), line)]
+    total = [line for line in lines if re.match(re.escape(f"{label}: ") + rate.format("13.6 MB"), line)]
+    assert per_file and total, out.stdout
+    assert any(line.endswith(" s") and not line.endswith(" 0 B/s, ETA ?") for line in per_file), out.stdout
+    assert "resuming" not in out.stdout
+
+    server.faults.reset()
+    server.faults.add(Fault(path=f"/hub/{GLM}/resolve/*/{BIG}", kind="cut", after=11 * hub.MIB, times=2))
+    assert stage(python, "fetch", params(server, tmp_path, GLM), every).returncode == 1   # 10 MiB kept
+    resumed = stage(python, "fetch", params(server, tmp_path, GLM), every)
+    assert resumed.returncode == 0, resumed.stderr
+    # the three small files and the big one's first 10 MiB chunk
+    assert f"model weights {GLM}@{hub.commits()[GLM][:12]}: resuming the download at 11.5 MB of 13.6 MB" \
+        in resumed.stdout, resumed.stdout
 
 
 def test_a_corrupted_file_is_fetched_again_and_an_unknown_revision_fails_in_the_hubs_words(server, tmp_path):
