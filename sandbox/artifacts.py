@@ -19,6 +19,8 @@ Faults and records are reachable in-process (`ArtifactServer.faults`: add, count
 reset) and over HTTP on the same port, for tests in another process:
   GET  /__control/requests           -> JSON list of request records
   GET  /__control/counts[?status=N]  -> JSON {path: number of GET requests [answered N]}
+  GET  /__control/bytes              -> JSON {path: bytes of the file sent in GET bodies} (a
+                                        directory's page counts 0)
   POST /__control/faults  {fault}    -> add a fault, e.g. {"path": GLOB, "kind": "cut",
                                         "after": 1000, "times": 1} (fields of `Fault`; kinds: cut
                                         after N bytes, corrupt, status, slow: `after` bytes/s)
@@ -126,6 +128,14 @@ class FaultTable:
             if record.method == "GET" and status in (None, record.status):
                 counts[record.path] = counts.get(record.path, 0) + 1
         return counts
+
+    def served_bytes(self) -> dict[str, int]:
+        """Bytes of files sent in the bodies of GET requests, per path asked for (a directory's page: 0)."""
+        sent: dict[str, int] = {}
+        for record in self.requests():
+            if record.method == "GET":
+                sent[record.path] = sent.get(record.path, 0) + record.bytes_sent
+        return sent
 
     def reset(self) -> None:
         with self._lock:
@@ -299,6 +309,8 @@ class ArtifactHandler(SimpleHTTPRequestHandler):
         elif action == "counts":
             status = parse_qs(url.query).get("status")
             self._json(self.server.faults.counts(int(status[0]) if status else None))
+        elif action == "bytes":
+            self._json(self.server.faults.served_bytes())
         else:
             self.send_error(HTTPStatus.NOT_FOUND)
 
@@ -423,6 +435,9 @@ class ArtifactControl:
 
     def requests(self) -> list[dict]:
         return self._call("requests")
+
+    def served_bytes(self) -> dict[str, int]:
+        return self._call("bytes")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,10 +28,11 @@ from rich.table import Table
 from sandbox.hosts import Sandbox
 from sandbox.rootfs import cache_dir
 from sandbox.standins import hub
-from sandbox.standins.build import ArtifactSet, build_artifacts
+from sandbox.standins.build import ArtifactSet, build_artifacts, mirror_path
 from sandbox.standins.host import dress_gpu_host
 from sandbox.standins.index import write_simple_index
 from sandbox.standins.nvidia_smi import Gpu
+from sandbox.standins.realwheels import real_index
 from sandbox.standins.runfile import RunfileInfo
 from servestack.manifest import DEFAULT_MANIFEST, PROJECT_ROOT, load_manifest
 
@@ -42,6 +43,8 @@ STANDINS_SOURCE = Path(__file__).resolve().parent / "standins"
 # Where lab hosts keep the stand-in SGLang server the unit starts instead of sglang.launch_server.
 STANDIN_SERVER_DIR = "/opt/servestack-sandbox-standins"
 STANDIN_SERVER_MODULE = "fake_sglang_server"
+# The dressed hosts' CUDA 12.8 runtime (a stand-in's text; serve_real_wheels makes it loadable).
+CUDA_12_RUNTIME = "/usr/local/cuda-12.8/targets/x86_64-linux/lib/libcudart.so.12"
 
 # Host state that a deploy may touch: a dry run must leave every entry's listing unchanged.
 FINGERPRINT_PATHS = ("/usr/local", "/opt", "/etc", "/var/lib/servestack", "/var/cache/servestack",
@@ -210,6 +213,30 @@ class Lab:
             raise RuntimeError("serve_more needs a lab brought up with private_artifacts=True")
         write_simple_index(self.artifacts.indexes["pypi"], wheels, upload_times)
 
+    def serve_real_wheels(self, stack: str) -> Path:
+        """Serve the REAL wheels of manifest stack `stack` (realwheels.real_index, a hard-linked copy) under
+        real/<stack>/ beside the stand-ins (a private copy: `up(private_artifacts=True)`); return that index's
+        path. `real_wheels_data` points a host at it.
+
+        The hosts' stand-in CUDA 12.8 runtime becomes a loadable library: real flashinfer (0.6.12
+        flashinfer/jit/__init__.py L102-106) loads `libcudart.so.12` from /usr/local/cuda, which the deploy
+        keeps at cuda-12.8 (cuda_link_policy "keep"), and the real library loads without a GPU where the
+        stand-in's text would not. It becomes a glibc stub (libutil.so.1, empty since glibc 2.34)."""
+        if not self.artifacts.root.is_relative_to(self.state_dir):
+            raise RuntimeError("serve_real_wheels needs a lab brought up with private_artifacts=True")
+        dest = self.artifacts.root / "real" / stack / mirror_path(load_manifest().indexes["pypi"])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-al", str(real_index(load_manifest().stacks[stack])), str(dest)], check=True)
+        for host in self.hosts:
+            self.exec(host, f'cp --remove-destination /usr/lib/x86_64-linux-gnu/libutil.so.1 "$(readlink -f '
+                            f'{CUDA_12_RUNTIME})"', check=True)
+        return dest
+
+    def real_wheels_data(self, host, index: Path) -> dict[str, str]:
+        """Host data installing uv and every PyPI package from `index` (`serve_real_wheels`)."""
+        url = self.artifacts.url(index, self.server_url(host))
+        return {"uv_index_url": url, "index_pypi_url": url}
+
     def server_url(self, host) -> str:
         return f"http://{host.controller_address}:{ARTIFACT_PORT}"
 
@@ -294,9 +321,16 @@ class Lab:
 
     def artifact_requests(self, status: int | None = None) -> dict[str, int]:
         """Requests per path the artifact server answered (with `status`, only those)."""
-        query = "" if status is None else f"?status={status}"
+        return self._artifact_control("counts" if status is None else f"counts?status={status}")
+
+    def artifact_bytes(self) -> dict[str, int]:
+        """Bytes of files the artifact server sent, per path asked for (its /__control/bytes)."""
+        return self._artifact_control("bytes")
+
+    def _artifact_control(self, action: str):
+        """The JSON answer of the artifact server's GET /__control/<action>, asked in the controller namespace."""
         argv = [sys.executable, "-c", "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen("
-                f"'http://127.0.0.1:{ARTIFACT_PORT}/__control/counts{query}').read().decode())"]
+                f"'http://127.0.0.1:{ARTIFACT_PORT}/__control/{action}').read().decode())"]
         result = subprocess.run(self.controller_argv(argv), capture_output=True, text=True, check=True)
         return json.loads(result.stdout)
 

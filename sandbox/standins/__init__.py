@@ -8,6 +8,7 @@ stand-in. They are used only by the sandbox, never by the deploy.
 - wheels: stand-in wheel builders, `build_wheel`, `broken_wheel`
 - sglang: what SGLang imports before GPU work (served as real wheels beside the real sglang)
 - closure: each stack resolved as a real host resolves it, and the real metadata of its packages
+- realwheels: a stack's real PyPI wheels as an index (`real_index`; tests/integration/test_real_release.py)
 - index: `write_simple_index(root, wheels)` -> a PEP 503 index
 - build: `build_artifacts(dest, runfile_mode=...)` -> `ArtifactSet` (everything the server serves)
 - host: `dress_gpu_host(root, gpu=..., with_cuda_128=..., with_ml_env=...)`
