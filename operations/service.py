@@ -2,9 +2,11 @@
 
 What the unit runs is the host's service profile with its host data (servestack/settings.py):
 servestack/serving.py `launch_arguments` renders its command line, with or without its speculative
-flags. Which of the two the unit runs is the speculation policy's (`speculation_enabled`):
-service_speculation "on" with, "off" without, "auto" as the benchmark recorded for what the service
-runs decided (servestack/speculation_policy.py; operations/speculation.py measures after this step).
+flags. Which the unit runs is the speculation policy's (`served_now`): service_speculation "on" with,
+"off" without, "auto" as the benchmark recorded for what the service runs decided, "adaptive" with
+SGLang's adaptive speculation and the config the benchmark wrote from this host's numbers (SGLang's
+own until it measured), a file in the release named by its content, written here before the health
+gate starts the unit (servestack/speculation_policy.py; operations/speculation.py measures after this step).
 
 `sglang_service(release)` is given the release this run leaves active (deploy.py: the one the
 venv step plans; rollback.py: the one it re-activates). In `--dry` on a fresh host that release
@@ -74,9 +76,16 @@ from servestack.paths import (
 from servestack.pyinfra_hooks import inner
 from servestack.releases import Release, encode, release_at
 from servestack.scripts import atomic_copy_command, atomic_write_command, script
-from servestack.serving import GENERATE_REQUEST, check_url, launch_arguments, service_environment, speculates
+from servestack.serving import (
+    GENERATE_REQUEST,
+    adaptive_config_path,
+    check_url,
+    launch_arguments,
+    service_environment,
+    speculates,
+)
 from servestack.settings import Settings, host_settings, secret_variable_problems
-from servestack.speculation_policy import identity_fingerprint, speculation_wanted
+from servestack.speculation_policy import BASELINE, Served, adaptive_config_text, identity_fingerprint, served
 
 TEMPLATES = PROJECT_ROOT / "files" / "templates"
 UNIT_TEMPLATE = TEMPLATES / "sglang.service.j2"
@@ -190,10 +199,10 @@ def _systemd_word(value: str, escaped: str) -> str:
     return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def exec_start(settings: Settings, rel: Release, speculation: bool = True) -> str:
+def exec_start(settings: Settings, rel: Release, speculation: bool = True, adaptive_config: str | None = None) -> str:
     """The command line, one flag (with its value) per continued line, so a diff shows the flag."""
     lines = [f"{systemd_quote(rel.python)} -m {systemd_quote(settings.service_launch_module)}"]
-    for word in launch_arguments(settings, speculation):
+    for word in launch_arguments(settings, speculation, adaptive_config):
         if word.startswith("-") or len(lines) == 1:
             lines.append(systemd_quote(word))
         else:
@@ -212,9 +221,9 @@ def _unit_template() -> jinja2.Template:
 
 def render_unit(settings: Settings, rel: Release, patchset: str | None,
                 supplementary_groups: tuple[str, ...] = (), with_secrets: bool = False,
-                speculation: bool = True) -> str:
+                speculation: bool = True, adaptive_config: str | None = None) -> str:
     """The unit text for `rel` (pure: same inputs, same bytes); `speculation=False`: without the
-    profile's speculative flags."""
+    profile's speculative flags; `adaptive_config`: SGLang's adaptive speculation with the config at that path."""
     return _unit_template().render(
         service_name=settings.service_name,
         release_id=rel.id,
@@ -227,7 +236,7 @@ def render_unit(settings: Settings, rel: Release, patchset: str | None,
         environment=[systemd_environment_quote(f"{name}={value}")
                      for name, value in service_environment(settings, rel, patchset)],
         secrets_file=secrets_path(settings) if with_secrets else None,
-        exec_start=exec_start(settings, rel, speculation),
+        exec_start=exec_start(settings, rel, speculation, adaptive_config),
         start_timeout_s=settings.service_start_timeout_s,
         start_limit_burst=settings.service_start_limit_burst,
         start_limit_interval_s=start_limit_interval_s(settings),
@@ -357,12 +366,25 @@ def rollout_failures(state, op_hash: str) -> list[str]:
 # -- what the operations read and share ----------------------------------------------------------------
 
 def desired_unit(settings: Settings, rel: Release, supplementary_groups: tuple[str, ...],
-                 speculation: bool | None = None) -> str:
-    """The unit for `rel`, with or without the speculative flags (None: as the policy says)."""
-    patchset = patchset_digest(rel)
-    if speculation is None:
-        speculation = speculation_enabled(settings, rel)
-    return render_unit(settings, rel, patchset, supplementary_groups, bool(settings.service_secret_env), speculation)
+                 what: Served | None = None) -> str:
+    """The unit for `rel` serving `what` (None: as the policy says)."""
+    return unit_for(settings, rel, patchset_digest(rel), supplementary_groups, what or served_now(settings, rel))
+
+
+def unit_for(settings: Settings, rel: Release, patchset: str | None, supplementary_groups: tuple[str, ...],
+             what: Served) -> str:
+    """The unit for `rel` serving `what` (pure)."""
+    config = adaptive_config_file(rel, what)
+    return render_unit(settings, rel, patchset, supplementary_groups, bool(settings.service_secret_env),
+                       what.speculation, config[0] if config else None)
+
+
+def adaptive_config_file(rel: Release, what: Served) -> tuple[str, str] | None:
+    """(path, text) of the adaptive config file the unit serving `what` names (None: it names none)."""
+    if what.adaptive_config is None:
+        return None
+    text = adaptive_config_text(what.adaptive_config)
+    return adaptive_config_path(rel, text), text
 
 
 def service_identity(settings: Settings, rel: Release) -> dict:
@@ -374,14 +396,19 @@ def service_identity(settings: Settings, rel: Release) -> dict:
             "environment": [list(pair) for pair in service_environment(settings, rel, patchset)]}
 
 
-def speculation_enabled(settings: Settings, rel: Release) -> bool:
-    """Whether the unit for `rel` runs the profile's speculative flags (service_speculation; under
-    "auto", the decision recorded for what the service runs, else the profile as written)."""
+def served_now(settings: Settings, rel: Release) -> Served:
+    """What the unit for `rel` runs (service_speculation; under "auto" and "adaptive", the decision
+    recorded for what the service runs, else the profile as written, with SGLang's own adaptive config)."""
     if not speculates(settings):
-        return False
+        return Served(BASELINE)
     record = reads.fact(host, ServiceRecord, path=speculation_record_path(settings))
-    return speculation_wanted(settings.service_speculation, settings.service_speculation_min_gain, record,
-                                    identity_fingerprint(service_identity(settings, rel)))
+    return served(settings.service_speculation, settings.service_speculation_min_gain, record,
+                  identity_fingerprint(service_identity(settings, rel)))
+
+
+def speculation_enabled(settings: Settings, rel: Release) -> bool:
+    """Whether the unit for `rel` runs the profile's speculative flags (`served_now`)."""
+    return served_now(settings, rel).speculation
 
 
 def gpu_groups() -> tuple[str, ...]:
@@ -551,10 +578,11 @@ def unit(release: Release, supplementary_groups: tuple[str, ...] = (),
     if problems:   # preflight refused such a host before any change; here for a host changed since
         yield from refuse(host, problems)
         return
-    text = desired_unit(settings, release, supplementary_groups)
+    what = served_now(settings, release)
+    text = desired_unit(settings, release, supplementary_groups, what)
     path, wanted = unit_path(settings), sha256_text(text)
     current_sha = reads.fact(host, Sha256File, path=path)
-    commands = []
+    commands = _adaptive_config_commands(release, what)
     if current_sha != wanted:
         current_lines = reads.fact(host, FileContents, path=path) or []
         if current_sha and reads.fact(host, ServiceRecord, path=service_record_path(settings)) is None:
@@ -579,6 +607,22 @@ def unit(release: Release, supplementary_groups: tuple[str, ...] = (),
              else f"{copy_path} is current for release {release.id}")
         return
     yield from commands
+
+
+def _adaptive_config_commands(release: Release, what: Served) -> list:
+    """Write the adaptive config file the unit names, unless it is there (a file named by its content)."""
+    config = adaptive_config_file(release, what)
+    if config is None:
+        return []
+    path, text = config
+    if reads.fact(host, Sha256File, path=path) == sha256_text(text):
+        return []
+    plan(host, f"SGLang's adaptive speculation config {path}: {_slots(what.adaptive_config or {})}")
+    return [StringCommand(atomic_write_command(path, text, "644"))]
+
+
+def _slots(config: dict) -> str:
+    return ", ".join(f"from {size}: steps {slot['candidate_steps']}" for size, slot in config.items())
 
 
 def _baseline_commands(settings: Settings, current_lines: list[str], pre_deploy_venv: dict | None) -> list:

@@ -1,9 +1,10 @@
 """Step `speculation`: the speculation policy, and the benchmark that decides it (issue 17).
 
 Host data `service_speculation` says whether the unit runs the profile's speculative flags: "on"
-(default, as the reference deployments), "off", or "auto": measured. operations/service.py renders
-the unit accordingly (`service.speculation_enabled`); this step runs after it (deploy.py) and, under
-"auto", benchmarks the host when no measurement is recorded for what the service runs now (its
+(default, as the reference deployments), "off", "auto": measured, or "adaptive": SGLang's adaptive
+speculation with a config from this host's measurements. operations/service.py renders the unit
+accordingly (`service.served_now`); this step runs after it (deploy.py) and, under "auto" and
+"adaptive", benchmarks the host when no measurement is recorded for what the service runs now (its
 release, patch set, profile, command line, environment: servestack/speculation_policy.py
 `identity_fingerprint`), so a converge that changed none of those never benchmarks again. A dry run
 says for each host whether it would benchmark and why.
@@ -14,9 +15,14 @@ The benchmark (`benchmark`: one FunctionCommand at execute, hosts a `rollout_bat
      `service.gate_environment`, under busy.sh as the service step's restart runs it); then
      files/scripts/bench-client.py measures it from the host itself, over loopback;
   2. speculation: the same with the profile's speculative flags;
-  3. the policy decides from both means (servestack/speculation_policy.py `decide`); unless it
-     chose the configuration running now, that configuration's unit is started through the gate
-     again; the unit is copied into the release (the unit that release runs with);
+  3. the policy decides from both means (servestack/speculation_policy.py `decide`); under
+     "adaptive", from both configurations' numbers per concurrency level (`adaptive_plan`, levels
+     ADAPTIVE_LEVELS unless `servestack bench --concurrency` names others): SGLang's adaptive config is
+     written into the release (a file named by its content) and the adaptive configuration is
+     started through the gate and measured the same way (where speculation pays at no level, the
+     baseline is served and nothing more is measured); unless the policy chose the configuration
+     running now, that configuration's unit is started through the gate again; the unit is copied into
+     the release (the unit that release runs with);
   4. the measurement and the decision are recorded in `<servestack_state_dir>/speculation.json`
      (bookkeeping, `hostrun.write_record`). The run says the decision with both numbers.
 A configuration that does not become healthy is rolled back by the gate to the last unit that
@@ -32,9 +38,11 @@ preflight, the host's lock, the benchmark whatever the policy, the lock's releas
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import shlex
 from dataclasses import dataclass
+from typing import Callable
 
 from pyinfra import host, logger
 from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
@@ -43,6 +51,7 @@ from pyinfra.facts.server import Groups
 from facts.batch import FactRequest
 from facts.service import PatchsetDigest, ServiceRecord, UnitState
 from operations import patches, preflight, service, venv
+from operations.patches import patchset_digest
 from servestack import reads
 from servestack.hostrun import (
     REFUSED,
@@ -70,11 +79,18 @@ from servestack.scripts import atomic_write_command, python_script_command, scri
 from servestack.serving import check_url, speculates
 from servestack.settings import Settings, host_settings
 from servestack.speculation_policy import (
+    ADAPTIVE,
+    ADAPTIVE_LEVELS,
     BASELINE,
     CONFIGURATIONS,
     SPECULATION,
+    AdaptivePlan,
+    Decision,
+    Served,
+    adaptive_plan,
     benchmark_reason,
     decide,
+    gain_of,
     make_record,
 )
 
@@ -102,9 +118,11 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
 
 def method(settings, runs: int | None = None, concurrency=None) -> dict:
     """The benchmark's request: the manifest's [service.speculation_benchmark], with `servestack
-    bench`'s --runs and --concurrency; concurrency 1 always (the reference's measure)."""
+    bench`'s --runs and --concurrency; concurrency 1 always (the reference's measure); under
+    "adaptive" ADAPTIVE_LEVELS too, unless --concurrency names the levels."""
     table = settings.manifest.service["speculation_benchmark"]
-    levels = sorted({1, *(concurrency or table["concurrency"])})
+    adaptive = ADAPTIVE_LEVELS if settings.service_speculation == "adaptive" and not concurrency else ()
+    levels = sorted({1, *(concurrency or table["concurrency"]), *adaptive})
     return {"prompt": table["prompt"], "max_new_tokens": table["max_new_tokens"], "runs": runs or table["runs"],
             "warmup": table["warmup"], "concurrency": levels, "request_timeout_s": table["request_timeout_s"]}
 
@@ -121,7 +139,8 @@ class Job:
 
     settings: Settings
     release: Release
-    units: dict            # configuration -> the unit's text
+    units: dict            # configuration -> the unit's text (speculation, baseline)
+    render: Callable[[Served], str]   # the unit serving a configuration (adaptive: once its config is known)
     secrets_sha: str | None
     identity: dict         # what the service runs (service.service_identity)
     params: dict           # the client's input: the request (`method`) and the server's URL
@@ -183,13 +202,15 @@ def benchmark(release: Release, on_demand: dict | None = None):
     groups = service.gpu_groups()
     secrets = service.secrets_content(host.name, settings.service_secret_env)
     params = {**method(settings, options.get("runs"), options.get("concurrency")), "url": check_url(settings)}
-    job = Job(settings=settings, release=release,
-              units={config: service.desired_unit(settings, release, groups, speculation=config == SPECULATION)
-                     for config in CONFIGURATIONS},
+    render = functools.partial(service.unit_for, settings, release, patchset_digest(release), groups)
+    job = Job(settings=settings, release=release, render=render,
+              units={config: render(Served(config)) for config in CONFIGURATIONS},
               secrets_sha=service.sha256_text(secrets) if secrets else None, identity=identity, params=params,
               by="deploy" if on_demand is None else "bench", request=options.get("request"))
     verb = "benchmarking" if is_executing(host) else "will benchmark"
-    host.log(f"{verb} {settings.service_name} with and without speculation ({params['runs']} runs of "
+    adaptive = (", then with SGLang's adaptive speculation configured from those numbers"
+                if settings.service_speculation == "adaptive" else "")
+    host.log(f"{verb} {settings.service_name} with and without speculation{adaptive} ({params['runs']} runs of "
              f"{params['max_new_tokens']} tokens, concurrency {', '.join(map(str, params['concurrency']))}; "
              f"{settings.service_name} restarted through the health gate for each configuration, and once more "
              f"into the one the policy chooses when that is not the last; each restart waits up to "
@@ -197,9 +218,9 @@ def benchmark(release: Release, on_demand: dict | None = None):
     yield FunctionCommand(_run_benchmark, (job,), {})
 
 
-def _start(state, host, job: Job, config: str) -> bool:
-    """Start `config`'s unit through the health gate, which installs it (and rolls back on failure)."""
-    settings, text = job.settings, job.units[config]
+def _start(state, host, job: Job, config: str, text: str) -> bool:
+    """Start `config`'s unit (`text`) through the health gate, which installs it (and rolls back on failure)."""
+    settings = job.settings
     staged = benchmark_unit_path(settings, job.release, config)
     ok, _, stderr = run_remote(host, atomic_write_command(staged, text, "644"))
     if not ok:
@@ -258,29 +279,65 @@ def _run_benchmark(state, host, job: Job) -> bool:
     return done
 
 
+def _start_and_measure(state, host, job: Job, config: str, text: str, results: dict) -> bool:
+    if not _start(state, host, job, config, text):
+        return False
+    result = _measure(state, host, job, config)
+    if result is None:
+        return False
+    results[config] = result
+    host.log(_summary(config, result))
+    return True
+
+
+def _decision(settings: Settings, results: dict) -> tuple[Decision, AdaptivePlan | None]:
+    """What the policy chooses from both configurations' numbers (under "adaptive": with its plan)."""
+    speculation_mean, baseline_mean = (results[config]["output_tok_s"]["mean"] for config in (SPECULATION, BASELINE))
+    if settings.service_speculation != "adaptive":
+        return decide(settings.service_speculation, settings.service_speculation_min_gain, speculation_mean,
+                      baseline_mean), None
+    plan = adaptive_plan(settings.service_speculation_min_gain, results)
+    assert plan is not None, "both configurations are measured at concurrency 1 at least"
+    return plan.decision(gain_of(speculation_mean, baseline_mean)), plan
+
+
+def _write_adaptive_config(host, job: Job, what: Served) -> bool:
+    config = service.adaptive_config_file(job.release, what)
+    assert config is not None, "an adaptive configuration has its config"
+    ok, _, stderr = run_remote(host, atomic_write_command(config[0], config[1], "644"))
+    if not ok:
+        return fail_host(host, REFUSED, [f"could not write SGLang's adaptive config {config[0]}: {' '.join(stderr)}; "
+                                         "nothing was recorded"])
+    return True
+
+
 def _measure_and_decide(state, host, job: Job) -> bool:
     settings = job.settings
-    results, running = {}, None
+    results: dict = {}
+    units = dict(job.units)
     for config in (BASELINE, SPECULATION):
-        if not _start(state, host, job, config):
+        if not _start_and_measure(state, host, job, config, units[config], results):
             return False
-        running = config
-        result = _measure(state, host, job, config)
-        if result is None:
-            return False
-        results[config] = result
-        host.log(_summary(config, result))
-    decision = decide(settings.service_speculation, settings.service_speculation_min_gain,
-                      results[SPECULATION]["output_tok_s"]["mean"], results[BASELINE]["output_tok_s"]["mean"])
+    running = SPECULATION
+    decision, plan = _decision(settings, results)
     host.log_styled(decision.why, bold=True, log_func=logger.info)
-    if decision.configuration != running and not _start(state, host, job, decision.configuration):
+    if plan is not None and plan.config is not None:
+        what = Served(ADAPTIVE, plan.config)
+        units[ADAPTIVE] = job.render(what)
+        if not _write_adaptive_config(host, job, what) or \
+                not _start_and_measure(state, host, job, ADAPTIVE, units[ADAPTIVE], results):
+            return False
+        running = ADAPTIVE
+    if decision.configuration != running and not _start(state, host, job, decision.configuration,
+                                                        units[decision.configuration]):
         return False
     copy_path = unit_copy_path(settings, job.release)
-    ok, _, stderr = run_remote(host, atomic_write_command(copy_path, job.units[decision.configuration], "644"))
+    ok, _, stderr = run_remote(host, atomic_write_command(copy_path, units[decision.configuration], "644"))
     if not ok:
         host.log(f"could not copy the unit into {copy_path}: {' '.join(stderr)}", logger.warning)
     record = make_record(job.identity, settings.service_speculation, settings.service_speculation_min_gain,
-                         results, decision, by=job.by, run_id=run_id(state), request=job.request, method_=job.params)
+                         results, decision, by=job.by, run_id=run_id(state), request=job.request, method_=job.params,
+                         plan=plan)
     write_record(host, atomic_write_command(speculation_record_path(settings), json.dumps(record, indent=1), "644"),
                  "the speculation record")
     return True
@@ -315,18 +372,22 @@ def _steps_reads(settings: Settings, release: Release | None = None) -> list[Fac
         + host_reads(settings, release)
 
 
-def bench_now(runs: int | None = None, concurrency: list[int] | None = None, request: str | None = None):
-    """`servestack bench` on each host, run by pyinfra's CLI (servestack/bench.py `pyinfra_argv`):
-    preflight and the host's lock as in deploy.py, then both configurations measured and the host
-    left in the one its policy chooses, the record written; nothing else changes."""
-    settings = host_settings(host)
-    if not preflight.preflight(reads=_steps_reads(settings), decides=venv.host_reads(settings)):
-        return
+def _deployed_release(settings: Settings) -> Release | None:
+    """The release the service runs, which the benchmark measures; None after refusing a host that no
+    deploy left serving."""
     release = venv.active_release(settings)
     if release is None:
         fail_host(host, REFUSED, [f"{settings.venv_path} is not a servestack release: deploy first "
                                   "(pyinfra INVENTORY deploy.py); nothing was changed"])
-        return
-    preflight.lock(reads=_steps_reads(settings, release))
-    measure(release=release, on_demand={"runs": runs, "concurrency": concurrency, "request": request})
-    preflight.release_lock()
+    return release
+
+
+def bench_now(runs: int | None = None, concurrency: list[int] | None = None, request: str | None = None):
+    """`servestack bench` on each host, run by pyinfra's CLI (servestack/bench.py `pyinfra_argv`):
+    preflight and the host's lock as in deploy.py (`preflight.locked_run`), then the configurations
+    measured and the host left in the one its policy chooses, the record written; nothing else changes."""
+    settings = host_settings(host)
+    on_demand = {"runs": runs, "concurrency": concurrency, "request": request}
+    preflight.locked_run(reads=functools.partial(_steps_reads, settings), decides=venv.host_reads(settings),
+                         choose=functools.partial(_deployed_release, settings),
+                         steps=lambda release: measure(release=release, on_demand=on_demand))

@@ -10,8 +10,11 @@ per run the output tokens/s (the whole request) and the decode tokens/s (after t
 the accept length from /server_info. Two configurations: the host's service profile with its
 speculative flags ("speculation") and the same without them ("baseline"), each started through the
 deploy's own health gate, so each is measured on a freshly started server (operations/speculation.py
-does the host side). The host ends in the configuration its policy chooses, and the measurement and
-the decision are recorded on the host (servestack/speculation_policy.py: the policy and the record).
+does the host side). Under service_speculation = "adaptive" a third, "adaptive": SGLang's adaptive
+speculation with the config written from the first two's numbers per concurrency level; the table,
+the JSON and the chart show it beside them, and whether it is at or above the better of the two. The
+host ends in the configuration its policy chooses, and the measurement and the decision are recorded
+on the host (servestack/speculation_policy.py: the policy and the record).
 
 `servestack bench` runs `operations.speculation.bench_now` through pyinfra's CLI (the deploy's lock,
 preflight, health gate and recap), then reads each host's record and prints a table per host, and
@@ -39,7 +42,16 @@ from facts.service import ServiceRecord
 from servestack.errors import EXIT_FAILED, EXIT_OK, ConfigError, exit_status
 from servestack.manifest import PROJECT_ROOT
 from servestack.paths import speculation_record_path
-from servestack.speculation_policy import BASELINE, CONFIGURATIONS, SPECULATION, crossover, decide, gain_of, means
+from servestack.speculation_policy import (
+    ADAPTIVE,
+    BASELINE,
+    SPECULATION,
+    crossover,
+    gain_of,
+    level_means,
+    means,
+    record_decision,
+)
 from servestack.verify import Unreachable, read_all, report_console, targets_from_inventory
 
 ON_DEMAND = "operations.speculation.bench_now"   # what `servestack bench` runs with pyinfra
@@ -76,7 +88,8 @@ def status_summary(record: dict | None, active_release: str | None, policy: str 
     measured_for = (record.get("identity") or {}).get("release")
     now = None
     if policy is not None and min_gain is not None:
-        now = decide(policy, min_gain, speculation, baseline).configuration
+        decision = record_decision(policy, min_gain, record)
+        now = decision.configuration if decision else None
     return {"decision": record.get("decision"), "now": now, "policy": record.get("policy"),
             "min_gain": record.get("min_gain"),
             "speculation_tok_s": speculation, "baseline_tok_s": baseline, "gain": record.get("gain"),
@@ -119,7 +132,7 @@ def host_report(record: dict | None, request: str | None, failure: str | None = 
             "policy": record.get("policy"), "min_gain": record.get("min_gain"), "decision": record.get("decision"),
             "why": record.get("why"), "gain": record.get("gain"), "simulated": bool(record.get("simulated")),
             "crossover": crossover(record), "measured_at": record.get("measured_at"), "method": record.get("method"),
-            "configurations": record.get("configurations")}
+            "adaptive": record.get(ADAPTIVE), "configurations": record.get("configurations")}
 
 
 def document(reports: dict[str, dict], request: str | None = None) -> dict:
@@ -140,6 +153,28 @@ def _mean(stats: dict | None, digits: int = 1) -> str:
     return "-" if not stats else f"{stats['mean']:.{digits}f}"
 
 
+def shown_configurations(configurations: dict) -> list[str]:
+    """The configurations a report shows, in order: speculation, baseline, adaptive where measured."""
+    return [config for config in (SPECULATION, BASELINE, ADAPTIVE) if config in configurations]
+
+
+def adaptive_verdict(configurations: dict) -> str | None:
+    """Whether the adaptive configuration is at or above the better of speculation and baseline at each
+    level measured (the goal of issue 33); None when it was not measured."""
+    adaptive = level_means(configurations, ADAPTIVE)
+    if not adaptive:
+        return None
+    others = [level_means(configurations, config) for config in (SPECULATION, BASELINE)]
+    below = [f"{level} ({gain_of(tok_s, max(found[level] for found in others)):+.1%})"
+             for level, tok_s in sorted(adaptive.items())
+             if all(level in found for found in others) and tok_s < max(found[level] for found in others)]
+    levels = ", ".join(map(str, sorted(adaptive)))
+    if not below:
+        return f"adaptive is at or above the better of speculation and baseline at every level measured ({levels})"
+    return ("adaptive is below the better of speculation and baseline at concurrency " + ", ".join(below)
+            + f" (levels measured: {levels})")
+
+
 def host_tables(name: str, report: dict) -> list:
     """The rich tables of one measured host: the configurations at concurrency 1, then per level."""
     from rich.table import Table
@@ -153,10 +188,11 @@ def host_tables(name: str, report: dict) -> list:
                    "gain over baseline"):
         main.add_column(column, justify="left" if column == "configuration" else "right")
     baseline = configurations[BASELINE]["output_tok_s"]["mean"]
-    for config in CONFIGURATIONS:
+    shown = shown_configurations(configurations)
+    for config in shown:
         result = configurations[config]
         speed = result["output_tok_s"]
-        gain = gain_of(speed["mean"], baseline) if config == SPECULATION else None
+        gain = gain_of(speed["mean"], baseline) if config != BASELINE else None
         accept = result.get("accept_length")
         main.add_row(config, str(len(result["runs"])), _mean(speed), _range(speed), _mean(result["decode_tok_s"]),
                      _mean(result["ttft_s"], 3), "-" if accept is None else f"{accept:.2f}",
@@ -166,16 +202,25 @@ def host_tables(name: str, report: dict) -> list:
     if len(levels) > 1:
         heading = f"{name}: aggregate output tok/s by concurrency (mean of the rounds)"
         load = Table(title=heading, title_justify="left", min_width=len(heading))
-        for column in ("concurrency", "speculation", "baseline", "gain"):
+        adaptive = ADAPTIVE in shown
+        for column in ("concurrency", "speculation", "baseline", "gain", *(("adaptive", "adaptive gain")
+                                                                             if adaptive else ())):
             load.add_column(column, justify="right")
         by_level = {config: {level["concurrency"]: level["tok_s"] for level in configurations[config]["concurrency"]}
-                    for config in CONFIGURATIONS}
+                    for config in shown}
         for level in levels:
             spec, base = by_level[SPECULATION].get(level), by_level[BASELINE].get(level)
-            gain = gain_of(spec["mean"], base["mean"]) if spec and base else None
-            load.add_row(str(level), _mean(spec), _mean(base), "-" if gain is None else f"{gain:+.1%}")
+            row = [str(level), _mean(spec), _mean(base), _gain(spec, base)]
+            if adaptive:
+                row += [_mean(by_level[ADAPTIVE].get(level)), _gain(by_level[ADAPTIVE].get(level), base)]
+            load.add_row(*row)
         tables.append(load)
     return tables
+
+
+def _gain(stats: dict | None, base: dict | None) -> str:
+    gain = gain_of(stats["mean"], base["mean"]) if stats and base else None
+    return "-" if gain is None else f"{gain:+.1%}"
 
 
 def crossover_text(level: int | None, levels: list[int]) -> str:
@@ -199,6 +244,9 @@ def render_tables(reports: dict[str, dict], console) -> None:
         levels = [entry["concurrency"] for entry in report["configurations"][SPECULATION]["concurrency"]]
         if len(levels) > 1:
             console.print(Text(f"{name}: {crossover_text(report['crossover'], levels)}"))
+        verdict = adaptive_verdict(report["configurations"])
+        if verdict:
+            console.print(Text(f"{name}: {verdict}"))
     if any(report.get("simulated") for report in reports.values()):
         console.print(Text(SIMULATED_NOTICE, style="bold yellow"))
 
@@ -215,11 +263,12 @@ def plot(reports: dict[str, dict], path: str | Path) -> Path:
     measured = {name: report for name, report in reports.items() if report["measured"]}
     if not measured:
         raise ConfigError("--plot: no host was measured, nothing to plot")
-    colours = {SPECULATION: "tab:blue", BASELINE: "tab:orange"}
+    colours = {SPECULATION: "tab:blue", BASELINE: "tab:orange", ADAPTIVE: "tab:green"}
     figure, axes = plt.subplots(len(measured), 2, figsize=(12, 4.2 * len(measured)), squeeze=False)
     for row, (name, report) in enumerate(measured.items()):
         per_run, per_level = axes[row]
-        for config in CONFIGURATIONS:
+        shown = shown_configurations(report["configurations"])
+        for config in shown:
             result = report["configurations"][config]
             speeds = [run["output_tok_s"] for run in result["runs"]]
             runs = range(1, len(speeds) + 1)
@@ -231,12 +280,11 @@ def plot(reports: dict[str, dict], path: str | Path) -> Path:
             levels = result["concurrency"]
             per_level.plot([level["concurrency"] for level in levels], [level["tok_s"]["mean"] for level in levels],
                            marker="o", color=colours[config], label=config)
-        by_level = {config: {level["concurrency"]: level["tok_s"]["mean"]
-                             for level in report["configurations"][config]["concurrency"]} for config in CONFIGURATIONS}
+        by_level = {config: level_means(report["configurations"], config) for config in shown}
         for level, spec in by_level[SPECULATION].items():
             base = by_level[BASELINE].get(level)
             level_gain = gain_of(spec, base) if base else None
-            if level_gain is not None:
+            if base and level_gain is not None:
                 per_level.annotate(f"{level_gain:+.1%}", (level, max(spec, base)), textcoords="offset points",
                                    xytext=(0, 8), ha="center", fontsize=9,
                                    color=colours[SPECULATION] if level_gain > 0 else colours[BASELINE])
@@ -246,7 +294,7 @@ def plot(reports: dict[str, dict], path: str | Path) -> Path:
         per_run.set_xlabel("run")
         per_run.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         per_run.set_ylabel("output tokens/s")
-        per_run.set_ylim(0, 1.2 * max(run["output_tok_s"] for config in CONFIGURATIONS
+        per_run.set_ylim(0, 1.2 * max(run["output_tok_s"] for config in shown
                                       for run in report["configurations"][config]["runs"]))
         per_run.legend(loc="lower right")
         per_run.grid(alpha=0.3)
@@ -259,11 +307,12 @@ def plot(reports: dict[str, dict], path: str | Path) -> Path:
         if report["crossover"] and report["crossover"] > 1:
             per_level.axvline(report["crossover"], color="grey", linestyle=":",
                               label=f"crossover {report['crossover']}")
-        per_level.set_ylim(0, 1.15 * max(max(by_level[SPECULATION].values()), max(by_level[BASELINE].values())))
+        per_level.set_ylim(0, 1.15 * max(max(by_level[config].values()) for config in shown))
         per_level.legend(loc="upper left")
         per_level.grid(alpha=0.3)
     simulated = any(report["simulated"] for report in measured.values())
-    figure.suptitle("servestack bench: speculation vs baseline"
+    adaptive = any(ADAPTIVE in report["configurations"] for report in measured.values())
+    figure.suptitle("servestack bench: speculation vs baseline" + (" vs adaptive" if adaptive else "")
                     + (" - SIMULATED by the sandbox stand-in, not GPU measurements" if simulated else ""),
                     color="darkred" if simulated else "black")
     figure.tight_layout()

@@ -30,7 +30,7 @@ from servestack.values import (Checker, Invalid, abs_path, arguments, boolean, c
 OWN_PREFIXES = ("servestack_", "cuda_", "gpu_", "uv_", "venv_", "service_", "index_",
                 "wheel_url_", "rollout_", "patches_", "verify_")
 
-SPECULATION_POLICIES = ("on", "off", "auto")
+SPECULATION_POLICIES = ("on", "off", "auto", "adaptive")
 DEFAULT_MODELS_DIR = "/var/lib/servestack/models"
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
 
@@ -234,10 +234,12 @@ def host_keys(manifest: Manifest) -> dict[str, Key]:
         Key("service_speculation", choice(*SPECULATION_POLICIES), _literal("on"),
             "'on': the unit runs the profile's speculative flags; 'off': without them; 'auto': a deploy that "
             "changed what the service runs benchmarks both and keeps speculation only where it wins by "
-            "service_speculation_min_gain (README 'Benchmark and speculation policy')"),
+            "service_speculation_min_gain; 'adaptive': SGLang's adaptive speculation (sglang >= 0.5.14, EAGLE/"
+            "EAGLE3/NEXTN with topk 1), off from the concurrency where this host's benchmark says speculation "
+            "stops paying (README 'Benchmark and speculation policy')"),
         Key("service_speculation_min_gain", fraction, _literal(0.02),
             "under service_speculation = 'auto': the least gain of the speculative mean tok/s over the "
-            "baseline's that keeps speculation (0.02: 2%)"),
+            "baseline's that keeps speculation (0.02: 2%); under 'adaptive': per concurrency level"),
         Key("verify_reuse", boolean, _literal(True),
             "the deploy's verify step re-runs its heavy checks (torch on the GPUs, the CUDA sample, the "
             "patch check) only when the driver, GPUs, toolkit, release or settings changed; False: every run"),

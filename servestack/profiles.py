@@ -13,6 +13,7 @@ from typing import Callable
 
 from servestack.manifest import Manifest
 from servestack.patchsets import load_patch_sets
+from servestack.speculation_policy import SGLANG_DEFAULT_ADAPTIVE_CONFIG
 
 SPECULATIVE_ALGORITHMS = ("EAGLE3", "EAGLE", "NEXTN", "STANDALONE", "NONE")
 
@@ -29,6 +30,20 @@ SEPARATE_DRAFT_ALGORITHMS = ("EAGLE3", "STANDALONE")  # always a separate draft 
 PATCHED_PACKAGE = "sglang"                     # service_patches name patches of its set (files/patches)
 
 Problems = list[tuple[str, str]]  # (field, what is wrong)
+
+# Adaptive speculation (service_speculation = "adaptive", issue 33), as read in the sglang 0.5.14 wheel
+# (docs/facts/sglang-adaptive-speculation.md). The sglang versions servestack knows to have it as it
+# writes its config: a bucket's candidate steps may be 0 (speculation off) from 0.5.14; a stack whose
+# sglang is not listed has none here.
+ADAPTIVE_SPECULATION_VERSIONS = ("0.5.14",)
+# srt/speculative/adaptive_spec_params.py `adaptive_unsupported_reason` (L50-85): only EAGLE and EAGLE3
+# (NEXTN is renamed EAGLE before, arg_groups/speculative_hook.py L42-48, called at L81 before the check
+# at L122-125), only topk 1, and none of these flags; otherwise SGLang runs static speculation with only
+# a warning (`_maybe_disable_adaptive`, L473-484). --enable-prefill-cp turns dp attention on
+# (server_args.py L3560-3566, L3652-3659).
+ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+ADAPTIVE_EXCLUDED_FLAGS = ("--enable-dp-attention", "--enable-multi-layer-eagle", "--enable-two-batch-overlap",
+                           "--enable-pdmux", "--enable-prefill-cp")
 
 
 def _draft_tokens_rule(fields: dict, manifest: Manifest) -> Problems:
@@ -73,10 +88,7 @@ def _patches_rule(fields: dict, manifest: Manifest) -> Problems:
     """The patches a profile needs are in servestack's set for its stack's sglang."""
     if fields["stack"] not in manifest.stacks:
         return []  # _stack_rule says so
-    try:
-        version = manifest.stacks[fields["stack"]].package(PATCHED_PACKAGE).version
-    except KeyError:
-        version = None  # the stack installs no sglang: no patch applies
+    version = _sglang_version(fields["stack"], manifest)   # None: the stack installs no sglang, no patch applies
     available = patch_names(version) if version else ()
     missing = [name for name in fields["patches"] if name not in available]
     if not missing:
@@ -107,3 +119,50 @@ def patch_names(version: str) -> tuple[str, ...]:
     """The patches of servestack's set for `version` of the patched package (files/patches)."""
     patch_set = load_patch_sets(PATCHED_PACKAGE).get(version)
     return tuple(name for name, _text in patch_set["patches"]) if patch_set else ()
+
+
+def adaptive_unsupported_reason(fields: dict, manifest: Manifest) -> str | None:
+    """Why a serving configuration (profile fields, host extra args merged) cannot run SGLang's adaptive
+    speculation as servestack writes its config; None when it can."""
+    version = _sglang_version(fields["stack"], manifest)
+    if version not in ADAPTIVE_SPECULATION_VERSIONS:
+        return (f"stack {fields['stack']!r} has no adaptive speculation servestack knows (sglang {version or 'none'}; "
+                f"known: sglang {', '.join(ADAPTIVE_SPECULATION_VERSIONS)})")
+    algorithm, topk = fields["speculative_algorithm"], fields["speculative_eagle_topk"]
+    if algorithm not in ADAPTIVE_ALGORITHMS:
+        return (f"speculative_algorithm {algorithm}: sglang runs adaptive speculation only for "
+                f"{', '.join(ADAPTIVE_ALGORITHMS)} and would silently fall back to static speculation")
+    if topk != 1:
+        return (f"speculative_eagle_topk {topk}: sglang runs adaptive speculation only with topk 1 and would "
+                "silently fall back to static speculation")
+    excluded = [flag for flag in ADAPTIVE_EXCLUDED_FLAGS
+                if any(argument.split("=", 1)[0] == flag for argument in fields["extra_args"])]
+    if excluded:
+        return (f"extra_args {', '.join(excluded)}: sglang does not run adaptive speculation with "
+                f"{'it' if len(excluded) == 1 else 'them'} and would silently fall back to static speculation")
+    steps, first = fields["speculative_num_steps"], SGLANG_DEFAULT_ADAPTIVE_CONFIG["1"]["candidate_steps"]
+    if steps not in first:
+        # server_args' steps must be among the config's (speculative_hook.py L487-511, a ValueError at
+        # start-up); servestack's configs keep SGLang's first slot.
+        return (f"speculative_num_steps {steps}: sglang's adaptive config starts from steps "
+                f"{', '.join(map(str, first))} and refuses a --speculative-num-steps among none of them")
+    return None
+
+
+ADAPTIVE_FIELDS = ("stack", "speculative_algorithm", "speculative_eagle_topk", "speculative_num_steps", "extra_args")
+
+
+def speculation_policy_problems(policy: str, fields: dict, manifest: Manifest) -> Problems:
+    """A host's service_speculation that its serving configuration cannot run (settings.py: refused
+    before connecting): "adaptive" where SGLang would not run adaptive speculation."""
+    if policy != "adaptive":
+        return []
+    reason = adaptive_unsupported_reason(fields, manifest)
+    return [("speculation", f"'adaptive' cannot run here: {reason}")] if reason else []
+
+
+def _sglang_version(stack: str, manifest: Manifest) -> str | None:
+    try:
+        return manifest.stacks[stack].package(PATCHED_PACKAGE).version
+    except KeyError:
+        return None

@@ -7,6 +7,8 @@ compare the running server with them.
 
 from __future__ import annotations
 
+import hashlib
+
 from servestack.paths import release_cache_dir, service_home_dir
 from servestack.releases import Release
 from servestack.settings import Settings
@@ -34,12 +36,27 @@ def speculative_arguments(settings: Settings) -> list[str]:
                    "--speculative-num-draft-tokens", str(settings.service_speculative_num_draft_tokens)]
 
 
-def launch_arguments(settings: Settings, speculation: bool = True) -> list[str]:
+def adaptive_config_path(rel: Release, text: str) -> str:
+    """Where SGLang's adaptive config (`text`) lies on the host: in the release, named by its content, so
+    a changed config is a changed unit (a restart through the health gate) and the unit a gate rolls back
+    to still finds the config it was verified with."""
+    return f"{rel.dir}/speculative-adaptive-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+
+
+def adaptive_arguments(config_path: str) -> list[str]:
+    """SGLang's adaptive speculation (sglang 0.5.14 server_args.py L1544-1551) with the config at `config_path`."""
+    return ["--speculative-adaptive", "--speculative-adaptive-config", config_path]
+
+
+def launch_arguments(settings: Settings, speculation: bool = True, adaptive_config: str | None = None) -> list[str]:
     """`sglang.launch_server` arguments of the host's service profile and host data; with
-    `speculation=False`, the same without the speculative flags (the profile's baseline)."""
+    `speculation=False`, the same without the speculative flags (the profile's baseline); with
+    `adaptive_config` (a path on the host), SGLang's adaptive speculation with that config."""
     args = ["--model-path", served_path(settings, "model"), "--tp", str(settings.service_tp)]
     if speculation:
         args += speculative_arguments(settings)
+        if adaptive_config is not None and speculates(settings):
+            args += adaptive_arguments(adaptive_config)
     args += ["--attention-backend", settings.service_attention_backend]
     if settings.service_quantization is not None:
         args += ["--quantization", settings.service_quantization]
@@ -64,6 +81,10 @@ def service_environment(settings: Settings, rel: Release, patchset: str | None) 
         ("CUDA_PATH", cuda),
         ("PATH", f"{cuda}/bin:{rel.venv}/bin:{SYSTEM_PATH}"),
         ("LD_LIBRARY_PATH", f"{cuda}/lib64"),
+        # flashinfer loads CUDA_LIB_PATH/libcudart.so.12 into the process when it is there, by default from
+        # /usr/local/cuda, which a host may keep on its 12.8 toolkit (0.6.4 flashinfer/jit/__init__.py L91-95,
+        # 0.6.12 L102-106): pointed at the service's own toolkit, which has no .so.12, it loads no second runtime
+        ("CUDA_LIB_PATH", f"{cuda}/lib64"),
         ("FLASHINFER_WORKSPACE_BASE", cache),
         ("TRITON_CACHE_DIR", f"{cache}/triton"),
         ("SGLANG_DG_CACHE_DIR", f"{cache}/deep_gemm"),

@@ -20,7 +20,7 @@ from servestack.errors import ConfigError, ManifestError
 from servestack.keys import (OWN_PREFIXES, PROFILE_KEYS, PROFILE_MERGES, Key, host_keys, index_key, profile_default,
                              unknown_profile, user_key_names, wheel_key)
 from servestack.manifest import SERVER_CHOICES, DEFAULT_MANIFEST, Manifest, Package, Runfile, Stack, load_manifest
-from servestack.profiles import profile_rules
+from servestack.profiles import ADAPTIVE_FIELDS, profile_rules, speculation_policy_problems
 from servestack.strict_keys import foreign_key_problem, unknown_key
 from servestack.values import Invalid, abs_path, env_names
 
@@ -187,6 +187,9 @@ def _consistency(values: dict, manifest: Manifest, bad: set[str]) -> list[str]:
                for field, why in profile_rules(fields, manifest,
                                                 lambda *needed: usable("service_profile",
                                                                        *(f"service_{f}" for f in needed)))]
+    if usable("service_speculation", "service_profile", *(f"service_{field}" for field in ADAPTIVE_FIELDS)):
+        errors += [f"'service_{field}': {why} (profile {values['service_profile']!r})"
+                   for field, why in speculation_policy_problems(values["service_speculation"], fields, manifest)]
     if usable("cuda_runfile_url", "cuda_mirror") and values["cuda_runfile_url"] and values["cuda_mirror"]:
         errors.append("'cuda_runfile_url': set either cuda_runfile_url or cuda_mirror, not both")
     if usable("service_stack") and values["service_stack"] in manifest.stacks:
@@ -206,7 +209,7 @@ def _server_choice_problems(values: dict, stack: Stack, usable: Callable[..., bo
 
 
 # Environment pinned by servestack: host data may not override these (service_env / secrets).
-PINNED_ENV = ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "FLASHINFER_WORKSPACE_BASE",
+PINNED_ENV = ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "CUDA_LIB_PATH", "FLASHINFER_WORKSPACE_BASE",
               "TRITON_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "HOME",
               "SERVESTACK_RELEASE", "SERVESTACK_PATCHSET")
 
@@ -215,7 +218,8 @@ MANAGED_FLAGS = ("--model-path", "--model", "--tp", "--tp-size", "--tensor-paral
                  "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft-model",
                  "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
                  "--attention-backend", "--quantization", "--kv-cache-dtype", "--enable-torch-symm-mem",
-                 "--enable-flashinfer-allreduce-fusion", "--host", "--port")
+                 "--enable-flashinfer-allreduce-fusion", "--speculative-adaptive", "--speculative-adaptive-config",
+                 "--host", "--port")
 
 
 def _service_rules(values: dict, usable: Callable[..., bool]) -> list[str]:

@@ -42,6 +42,16 @@ exactly max_new_tokens tokens (otherwise at most 3, the stand-in's short answer)
 `"servestack_standin": true` and the simulation's numbers, and reports the running average accept
 length in internal_states[0].avg_spec_accept_length like SGLang (only with speculation). Every
 number it produces is SIMULATED.
+
+Adaptive speculation (`--speculative-adaptive [--speculative-adaptive-config FILE]`, sglang 0.5.14):
+the config is read and checked as SGLang reads it at start-up (`load_adaptive_config`: a bad file
+or a bad candidate_steps list, or --speculative-num-steps among none of the config's steps, is a
+ValueError: exit 1 with its traceback, as an uncaught exception in SGLang's prepare_server_args),
+and where SGLang would not run it (not EAGLE/EAGLE3/NEXTN, topk != 1) it warns and runs static
+speculation as SGLang does. Simulated: each decoding step speculates unless the slot of the requests
+in flight (the largest configured batch size <= in flight; SGLang also pads to its CUDA-graph sizes,
+which the stand-in has none of) has candidate steps [0] only; the slots' step choice by acceptance
+and the cost of switching are not simulated.
 """
 
 from __future__ import annotations
@@ -73,6 +83,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speculative-num-steps", type=int)
     parser.add_argument("--speculative-eagle-topk", type=int)
     parser.add_argument("--speculative-num-draft-tokens", type=int)
+    parser.add_argument("--speculative-adaptive", action="store_true")
+    parser.add_argument("--speculative-adaptive-config")
     parser.add_argument("--attention-backend")
     parser.add_argument("--quantization")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES)
@@ -101,6 +113,49 @@ def parse(argv: list[str]) -> argparse.Namespace:
             parser.error("--speculative-eagle-topk 1 needs "
                          "--speculative-num-draft-tokens = --speculative-num-steps + 1")
     return args
+
+
+# sglang 0.5.14 srt/speculative/adaptive_spec_params.py: DEFAULT_ADAPTIVE_CONFIG (L22-47), candidate steps only
+SGLANG_DEFAULT_SLOTS = {1: [1, 3, 7], 8: [0, 1, 3], 32: [0, 1], 64: [0]}
+ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")   # NEXTN is renamed EAGLE before the check
+
+
+def load_adaptive_config(path: str | None) -> dict[int, list[int]]:
+    """Each slot's candidate steps by batch size, read and checked as sglang 0.5.14's
+    `_load_adaptive_config` (L88-121): keys that are not digits are ignored; ValueError otherwise."""
+    if path is None:
+        return dict(SGLANG_DEFAULT_SLOTS)
+    with open(path) as handle:
+        config = json.load(handle)
+    slots = {}
+    for key, entry in config.items():
+        if not key.isdigit():
+            continue
+        steps = entry.get("candidate_steps")
+        if not isinstance(steps, list) or not steps or not all(isinstance(s, int) and s >= 0 for s in steps):
+            raise ValueError(f"BS {key}: candidate_steps must be a list of non-negative ints, got {steps!r}")
+        slots[int(key)] = sorted(set(steps))
+    if not slots:
+        raise ValueError("speculative_adaptive_config must contain at least one integer-string BS key, e.g. "
+                         f'{{"1": {{"candidate_steps": [1,3,7]}}}}. Got keys: {list(config.keys())}')
+    return slots
+
+
+def adaptive_slots(args: argparse.Namespace) -> dict[int, list[int]] | None:
+    """The adaptive slots the server runs with (None: static speculation, or none); raises as SGLang does."""
+    if not (args.speculative_adaptive and args.speculative_algorithm):
+        return None
+    if args.speculative_algorithm not in ADAPTIVE_ALGORITHMS or (args.speculative_eagle_topk or 1) != 1:
+        print(f"speculative_adaptive disabled: speculative_algorithm={args.speculative_algorithm}, "
+              f"speculative_eagle_topk={args.speculative_eagle_topk}. Falling back to static speculative params.",
+              file=sys.stderr, flush=True)
+        return None
+    slots = load_adaptive_config(args.speculative_adaptive_config)
+    union = sorted({step for steps in slots.values() for step in steps})
+    if args.speculative_num_steps is not None and args.speculative_num_steps not in union:
+        raise ValueError(f"--speculative-num-steps={args.speculative_num_steps} is not in the adaptive config "
+                         f"candidate_steps {union}. Pass one of those values.")
+    return slots
 
 
 def knob(name: str, filename: str, default: str) -> str:
@@ -177,8 +232,8 @@ class Decoder:
     """The simulated decoding of one server: requests in flight, the accept length's running
     average (accepted tokens over verify steps since start, as SGLang counts it)."""
 
-    def __init__(self, throughput: Throughput, speculative: bool):
-        self.throughput, self.speculative = throughput, speculative
+    def __init__(self, throughput: Throughput, speculative: bool, slots: dict[int, list[int]] | None = None):
+        self.throughput, self.speculative, self.slots = throughput, speculative, slots
         self.lock = threading.Lock()
         self.in_flight = 0
         self.accepted = 0
@@ -189,6 +244,15 @@ class Decoder:
         with self.lock:
             return self.accepted / self.steps if self.speculative and self.steps else None
 
+    def speculating(self, in_flight: int) -> bool:
+        """Whether a decoding step with `in_flight` requests speculates: always with static speculation;
+        adaptive: unless the slot of that batch size (the largest configured <= it) has only step 0."""
+        if not self.speculative or self.slots is None:
+            return self.speculative
+        sizes = sorted(self.slots)
+        slot = max([size for size in sizes if size <= in_flight] or sizes[:1])
+        return self.slots[slot] != [0]
+
     def chunks(self, tokens: int):
         """Yield (seconds to wait, tokens in the chunk) for one request of `tokens` output tokens."""
         with self.lock:
@@ -198,16 +262,19 @@ class Decoder:
             yield self.throughput.ttft, 1
             done, credit = 1, 0.0
             while done < tokens:
-                if self.speculative:
+                with self.lock:
+                    speculating = self.speculating(self.in_flight)
+                if speculating:
                     credit += self.throughput.accept
                     step = max(1, min(int(credit), tokens - done))
                     credit -= step
                 else:
                     step = 1
                 with self.lock:
-                    rate = self.throughput.rate(self.speculative, self.in_flight) * factor
-                    self.accepted += step
-                    self.steps += 1
+                    rate = self.throughput.rate(speculating, self.in_flight) * factor
+                    if speculating:
+                        self.accepted += step
+                        self.steps += 1
                 done += step
                 yield step / rate, step
         finally:
@@ -231,7 +298,8 @@ class Handler(BaseHTTPRequestHandler):
                 if decoder.average_accept_length() is not None else {}
             self.reply(200, {"version": "stand-in", "pid": os.getpid(), "mode": self.server.mode,
                              "servestack_standin": True,
-                             "servestack_simulation": decoder.throughput.describe(decoder.speculative),
+                             "servestack_simulation": {**decoder.throughput.describe(decoder.speculative),
+                                                       "adaptive_slots": decoder.slots},
                              "server_args": vars(self.server.args), "argv": self.server.argv,
                              "internal_states": [state],
                              "environment": {name: value for name, value in sorted(os.environ.items())
@@ -313,11 +381,11 @@ class FakeServer(ThreadingHTTPServer):
     request_queue_size = 1024   # listen backlog: a benchmark round opens its connections at once (SGLang's: 2048)
 
     def __init__(self, args: argparse.Namespace, mode: str, startup_s: float, argv: Sequence[str] = (),
-                 throughput: Throughput | None = None, hold_file: str = ""):
+                 throughput: Throughput | None = None, hold_file: str = "", slots: dict[int, list[int]] | None = None):
         self.args, self.mode, self.argv, self.hold_file = args, mode, list(argv), hold_file
         self.ready_at = time.monotonic() + startup_s
         self.ready_noted, self.ready_lock = False, threading.Lock()
-        self.decoder = Decoder(throughput or Throughput(), bool(args.speculative_algorithm))
+        self.decoder = Decoder(throughput or Throughput(), bool(args.speculative_algorithm), slots)
         super().__init__((args.host, args.port), Handler)
 
     def note_ready(self) -> None:
@@ -336,6 +404,7 @@ class FakeServer(ThreadingHTTPServer):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
+    slots = adaptive_slots(args)   # a bad config raises, as SGLang's start-up does (exit 1, a traceback)
     mode = knob("FAKE_SGLANG_MODE", "fake-sglang-mode", "ok")
     if not args.speculative_algorithm:
         mode = knob("FAKE_SGLANG_MODE_BASELINE", "fake-sglang-mode-baseline", mode)
@@ -352,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     startup_s = float(knob("FAKE_SGLANG_STARTUP_S", "fake-sglang-startup-s", "0.5"))
     hold_file = knob("FAKE_SGLANG_HOLD_FILE", "fake-sglang-hold-file", "")
-    server = FakeServer(args, mode, startup_s, argv, throughput, hold_file)
+    server = FakeServer(args, mode, startup_s, argv, throughput, hold_file, slots)
     print(f"fake sglang (stand-in) listening on {args.host}:{args.port}, pid {os.getpid()}, mode {mode}, "
           f"python {sys.executable}, simulated throughput {throughput}", flush=True)
     server.serve_forever()

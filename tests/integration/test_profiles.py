@@ -41,6 +41,8 @@ ARGV = {
                   *SPECULATION, "--attention-backend", "flashinfer", "--quantization", "modelopt_fp4",
                   "--kv-cache-dtype", "bf16", *SERVICE, "--disable-custom-all-reduce"],   # extra_args last
 }
+# Kimi-K2.5 on the current stack: the same, but symmetric memory (it does nothing on SM120 in sglang 0.5.14)
+ARGV["kimi-k2.5-eagle3-0.5.14"] = [word for word in ARGV["kimi-k2.5-eagle3"] if word != "--enable-torch-symm-mem"]
 
 
 def changed_operations(run) -> list[str]:
@@ -57,7 +59,7 @@ def assert_serves(lab, chosen: dict[str, str]) -> None:
 def test_a_host_of_each_profile_converges_verifies_and_then_changes_nothing(lab):
     the_lab = lab(2)
     profiles = profile_names()
-    assert profiles == ["kimi-k2.5-eagle3", "glm-5-mtp"]
+    assert profiles == ["kimi-k2.5-eagle3", "glm-5-mtp", "kimi-k2.5-eagle3-0.5.14"]
     chosen = assign_profiles(the_lab, profiles)
     assert chosen == {"h1": "kimi-k2.5-eagle3", "h2": "glm-5-mtp"}
 
@@ -75,7 +77,7 @@ def test_a_host_of_each_profile_converges_verifies_and_then_changes_nothing(lab)
 
     # A host changing profile gets its new profile's stack: a release of that stack is built, checked by
     # SGLang, activated, and the unit restarted through the health gate; the toolkit is not touched.
-    swapped = assign_profiles(the_lab, list(reversed(profiles)))
+    swapped = assign_profiles(the_lab, ["glm-5-mtp", "kimi-k2.5-eagle3-0.5.14"])   # Kimi moves to 0.5.14
     switch = apply(the_lab)
     changed = changed_operations(switch)
     for step in ("Build release", "SGLang pre-start check", "Activate release"):

@@ -187,6 +187,7 @@ def test_unit_verifies_service_answers_and_a_second_converge_changes_nothing(ser
     assert environ["CUDA_HOME"] == "/usr/local/cuda-13.0"
     assert environ["PATH"].startswith("/usr/local/cuda-13.0/bin:")
     assert environ["LD_LIBRARY_PATH"] == "/usr/local/cuda-13.0/lib64"
+    assert environ["CUDA_LIB_PATH"] == "/usr/local/cuda-13.0/lib64"
     assert environ["SERVESTACK_TEST_VALUE"] == 'a$b 100% "q"'
     cache = "/var/cache/servestack/flashinfer/13.0.1-r-000000000001"
     assert environ["FLASHINFER_WORKSPACE_BASE"] == cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +22,7 @@ def sglang_python(version: str) -> Path:
     from sandbox.standins.wheels import build_wheel, standin_wheel
     stack = next(stack for stack in load_manifest().stacks.values() if stack.package("sglang").version == version)
     work = Path(tempfile.mkdtemp(prefix=f"sglang-{version}-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)   # the test session made it: it removes it
     uv = shutil.which("uv") or pytest.fail("uv is not on PATH: run the tests through ./servestack.sh test")
     wheels = stack_wheels(stack, work)
     for package in stack.packages:   # those of the torch and flashinfer indexes and the direct wheels

@@ -1,5 +1,6 @@
-"""One skeleton of preflight, lock and steps (operations/preflight.py `locked_run`), which deploy.py and
-rollback.py run with their reads, their choice of release and their steps."""
+"""One skeleton of preflight, lock and steps (operations/preflight.py `locked_run`), which deploy.py,
+rollback.py and `servestack bench`'s run (operations/speculation.py `bench_now`) run with their reads, their
+choice of release and their steps."""
 
 from __future__ import annotations
 
@@ -52,9 +53,17 @@ def test_no_release_chosen_takes_no_lock(calls):
     assert calls == [("preflight", ["read", None], [])]
 
 
-@pytest.mark.parametrize("name", ["deploy.py", "rollback.py"])
-def test_deploy_and_rollback_run_the_one_skeleton(name):
-    called = {ast.unparse(node.func) for node in ast.walk(ast.parse((ROOT / name).read_text()))
-              if isinstance(node, ast.Call)}
+def _calls(tree: ast.AST) -> set[str]:
+    return {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+
+
+@pytest.mark.parametrize("name", ["deploy.py", "rollback.py", "bench_now"])
+def test_deploy_rollback_and_the_benchmark_run_the_one_skeleton(name):
+    if name == "bench_now":
+        module = ast.parse((ROOT / "operations" / "speculation.py").read_text())
+        tree: ast.AST = next(node for node in module.body if isinstance(node, ast.FunctionDef) and node.name == name)
+    else:
+        tree = ast.parse((ROOT / name).read_text())
+    called = _calls(tree)
     assert "preflight.locked_run" in called
     assert not called & {"preflight.preflight", "preflight.lock", "preflight.release_lock"}

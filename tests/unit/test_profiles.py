@@ -278,6 +278,9 @@ def test_every_profile_command_line_parses_with_the_pinned_sglang(profile, specu
     expected = _expected(s, speculation)
     if "tensor_parallel_size" not in parsed:   # 0.5.14 names --tp's dest tp_size
         expected["tp_size"] = expected.pop("tensor_parallel_size")
+    if s.service_kv_cache_dtype is None:   # not passed: sglang's own default (0.5.9 None, 0.5.14 'auto')
+        assert "--kv-cache-dtype" not in argv
+        del expected["kv_cache_dtype"]
     assert {dest: parsed[dest] for dest in expected} == expected
     for flag in s.service_extra_args:
         if flag.startswith("--"):
@@ -476,7 +479,7 @@ def test_combinations_sglang_accepts_are_not_refused(data):
 def test_an_unknown_profile_is_one_line_not_one_per_profile_field():
     lines = refusal({"service_profile": "glm5", "service_draft_model_path": "x"}).splitlines()
     assert lines == ["host gpu-01: 'service_profile': unknown service profile 'glm5' (did you mean 'glm-5-mtp'?); "
-                     "the manifest's profiles: glm-5-mtp, kimi-k2.5-eagle3"]
+                     "the manifest's profiles: glm-5-mtp, kimi-k2.5-eagle3, kimi-k2.5-eagle3-0.5.14"]
 
 
 def test_servestack_keys_lists_the_profile_keys_with_the_default_profiles_values():

@@ -18,9 +18,11 @@ The start rules, each checked in the real artifact:
 from __future__ import annotations
 
 import ast
+import atexit
 import json
 import shutil
 import subprocess
+import tempfile
 import zipfile
 from functools import lru_cache
 from pathlib import Path
@@ -38,7 +40,7 @@ PYTHON = "3.12"   # the GPU hosts' (Ubuntu 24.04)
 # The config type each profile's model declares (config.json "model_type"): KimiK25Config.model_type
 # in sglang 0.5.9 (srt/configs/kimi_k25.py); GLM-5's is transformers' glm_moe_dsa
 # (models/auto/configuration_auto.py from 5.2.0; zai-org/GLM-5 #22: KeyError 'glm_moe_dsa' on 4.57.1).
-MODEL_TYPES = {"kimi-k2.5-eagle3": "kimi_k25", "glm-5-mtp": "glm_moe_dsa"}
+MODEL_TYPES = {"kimi-k2.5-eagle3": "kimi_k25", "glm-5-mtp": "glm_moe_dsa", "kimi-k2.5-eagle3-0.5.14": "kimi_k25"}
 # sglang's multimodal architectures (srt/configs/model_config.py multimodal_model_archs).
 MULTIMODAL = {"KimiK25ForConditionalGeneration"}
 
@@ -90,8 +92,9 @@ def uv() -> str:
 
 @lru_cache(maxsize=4)
 def transformers_venv(version: str) -> Path:
-    import tempfile
-    venv = Path(tempfile.mkdtemp(prefix=f"transformers-{version}-")) / "venv"
+    work = Path(tempfile.mkdtemp(prefix=f"transformers-{version}-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)   # the test session made it: it removes it
+    venv = work / "venv"
     subprocess.run([uv(), "venv", "--quiet", "--python", "python3", str(venv)], check=True)
     subprocess.run([uv(), "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"),
                     f"transformers=={version}"], check=True, timeout=600)
@@ -120,11 +123,15 @@ def load_config(transformers_version: str, model_type: str, architecture: str) -
     return out.stdout.strip()
 
 
+REGISTRY_FILES = ("sglang/srt/utils/hf_transformers_utils.py", "sglang/srt/utils/hf_transformers/common.py")
+
+
 def sglang_registered_config_types(version: str) -> set[str]:
     """The model types sglang `version` registers with transformers itself (its _CONFIG_REGISTRY)."""
     with zipfile.ZipFile(fetch_wheel("sglang", version)) as wheel:
-        registry = wheel.read("sglang/srt/utils/hf_transformers_utils.py").decode()
-        names = {node.id for node in ast.walk(ast.parse(registry)) if isinstance(node, ast.Name)}
+        registries = [path for path in REGISTRY_FILES if path in wheel.namelist()]   # 0.5.14 moved it to common.py
+        names = {node.id for path in registries for node in ast.walk(ast.parse(wheel.read(path).decode()))
+                 if isinstance(node, ast.Name)}
         types = set()
         for path in wheel.namelist():
             if path.startswith("sglang/srt/configs/") and path.endswith(".py"):

@@ -153,6 +153,7 @@ def test_unit_pins_the_13_0_toolkit_and_never_uses_usr_local_cuda():
     assert env["CUDA_HOME"] == env["CUDA_PATH"] == "/usr/local/cuda-13.0"
     assert env["PATH"].split(":")[:2] == ["/usr/local/cuda-13.0/bin", f"/opt/servestack/releases/{RELEASE_ID}/venv/bin"]
     assert env["LD_LIBRARY_PATH"] == "/usr/local/cuda-13.0/lib64"
+    assert env["CUDA_LIB_PATH"] == "/usr/local/cuda-13.0/lib64"     # flashinfer loads no CUDA 12 runtime from it
     assert env["FLASHINFER_WORKSPACE_BASE"] == f"/var/cache/servestack/flashinfer/13.0.1-{RELEASE_ID}"
     assert env["TRITON_CACHE_DIR"].startswith(env["FLASHINFER_WORKSPACE_BASE"] + "/")
     assert env["NCCL_P2P_DISABLE"] == "1"

@@ -593,7 +593,7 @@ def documented_environment(settings, release: str = "r-0123456789ab") -> dict:
     cache = f"/var/cache/servestack/flashinfer/13.0.1-{release}"
     return {"CUDA_HOME": cuda, "CUDA_PATH": cuda,
             "PATH": f"{cuda}/bin:{venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "LD_LIBRARY_PATH": f"{cuda}/lib64", "FLASHINFER_WORKSPACE_BASE": cache,
+            "LD_LIBRARY_PATH": f"{cuda}/lib64", "CUDA_LIB_PATH": f"{cuda}/lib64", "FLASHINFER_WORKSPACE_BASE": cache,
             "TRITON_CACHE_DIR": f"{cache}/triton",
             "SGLANG_DG_CACHE_DIR": f"{cache}/deep_gemm", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
             "HOME": "/var/lib/sglang", "SERVESTACK_RELEASE": release, "SERVESTACK_PATCHSET": "digest",
