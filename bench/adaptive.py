@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import socket
 import subprocess
@@ -30,12 +29,12 @@ import sys
 import tempfile
 import time
 import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import write_result  # noqa: E402
 from servestack.speculation_policy import (  # noqa: E402  (the project root on the path first)
     ADAPTIVE,
     BASELINE,
@@ -46,7 +45,6 @@ from servestack.speculation_policy import (  # noqa: E402  (the project root on 
     level_means,
 )
 
-RESULTS = ROOT / "bench" / "results"
 CLIENT = ROOT / "files" / "scripts" / "bench-client.py"
 # The GLM-5 profile's speculation (files/stack.toml [service.profiles."glm-5-mtp"]): NEXTN 3/1/4, own draft.
 STATIC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -65,13 +63,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def git_sha() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return (sha.strip() or "nogit") + ("-dirty" if dirty else "")
 
 
 def measure(throughput: str, flags: list[str], params: dict) -> dict:
@@ -164,12 +155,9 @@ def main() -> int:
     for throughput in options.throughput or ["crossover=8", "win", "lose"]:
         outcomes.append(one_throughput(throughput, params, options.min_gain, levels))
         show(outcomes[-1])
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{git_sha()}-adaptive-{stamp}.json"
-    path.write_text(json.dumps({"benchmark": "adaptive speculation on the stand-in (SIMULATED)", "note": options.note,
-                                "params": params, "decision_levels": levels, "probe_levels": probes,
-                                "min_gain": options.min_gain, "outcomes": outcomes}, indent=1) + "\n")
+    path = write_result({"benchmark": "adaptive speculation on the stand-in (SIMULATED)", "note": options.note,
+                         "params": params, "decision_levels": levels, "probe_levels": probes,
+                         "min_gain": options.min_gain, "outcomes": outcomes}, "adaptive")
     print(f"\nSIMULATED by the stand-in server; written {path.relative_to(ROOT)}")
     return 0
 

@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 from rich.console import Console
@@ -42,24 +41,16 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import git_sha, utc_stamp, write_result  # noqa: E402
 from sandbox import cgroups  # noqa: E402
 from sandbox.lab import Lab  # noqa: E402
 
 COUNTER = ROOT / "bench" / "counting_pyinfra.py"
-RESULTS = ROOT / "bench" / "results"
 console = Console()
 
 
 class BenchFailed(Exception):
     pass
-
-
-def git_sha() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                         capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return (sha or "nogit") + ("-dirty" if dirty else "")
 
 
 def _children_cpu_s() -> float:
@@ -339,12 +330,10 @@ def main() -> int:
         return 1
     finally:
         lab.down()
-    out = {"commit": options.label or git_sha(), "utc": datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"),
+    out = {"commit": options.label or git_sha(), "utc": utc_stamp(),
            "cpus": os.cpu_count(), "repeat": options.repeat, "note": options.note, "rows": rows}
     out["ratios"] = ratios(rows)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{out['commit']}-{out['utc']}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    path = write_result(out)
     show(rows, out)
     console.print(f"written: {path.relative_to(ROOT)}")
     return 0

@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable
 
@@ -39,6 +38,7 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import git_sha, utc_stamp, write_result  # noqa: E402
 from sandbox.lab import Lab  # noqa: E402
 from sandbox.rootfs import cache_dir  # noqa: E402
 from sandbox.standins import realwheels  # noqa: E402
@@ -49,15 +49,7 @@ STACK, PROFILE = "sglang-0.5.14", "glm-5-mtp"
 RELEASES = load_manifest().venv["releases_dir"]
 VENV = load_manifest().venv["path"]
 UV, UV_CACHE = "/opt/servestack/uv/bin/uv", "/opt/servestack/uv-cache"   # servestack/paths.py defaults
-RESULTS = ROOT / "bench" / "results"
 console = Console()
-
-
-def git_sha() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return (sha.strip() or "nogit") + ("-dirty" if dirty else "")
 
 
 def pyinfra(lab: Lab, target: str = "deploy.py") -> str:
@@ -138,7 +130,7 @@ def main() -> int:
     parser.add_argument("--refetch", action="store_true", help="download the wheels from PyPI again first")
     parser.add_argument("--name", default="bench-real", help="the lab's sandbox name")
     options = parser.parse_args()
-    out: dict = {"commit": git_sha(), "utc": datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"),
+    out: dict = {"commit": git_sha(), "utc": utc_stamp(),
                  "stack": STACK, "profile": PROFILE}
     if options.refetch:
         drop_cached_wheels()
@@ -176,9 +168,7 @@ def main() -> int:
         console.print(f"warm: build {build:.1f} s, plain uv pip install {plain:.1f} s: {build / plain:.2f}x")
     finally:
         lab.down()
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{out['commit']}-real-release-{out['utc']}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    path = write_result(out, "real-release")
     console.print(f"wrote {path.relative_to(ROOT)}")
     return 0
 

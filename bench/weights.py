@@ -21,7 +21,6 @@ import json
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from rich.console import Console
@@ -29,19 +28,12 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import git_sha, utc_stamp, write_result  # noqa: E402
 from sandbox.lab import ARTIFACT_PORT, Lab  # noqa: E402
 from sandbox.standins import hub  # noqa: E402
 from servestack.manifest import load_manifest  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 console = Console()
-
-
-def git_sha() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return (sha.strip() or "nogit") + ("-dirty" if dirty else "")
 
 
 def control(lab: Lab, method: str) -> list | dict:
@@ -81,7 +73,7 @@ def main() -> int:
     profile = manifest.service["profiles"][manifest.service["profile"]]
     repos = hub.repositories()
     served = [repos[profile[key]] for key in ("model_path", "draft_model_path") if profile.get(key) in repos]
-    out: dict = {"commit": git_sha(), "utc": datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"),
+    out: dict = {"commit": git_sha(), "utc": utc_stamp(),
                  "profile": manifest.service["profile"], "models": {
                      repo.repo: {"files": len(repo.files), "bytes": sum(len(item.data) for item in repo.files)}
                      for repo in served}}
@@ -95,9 +87,7 @@ def main() -> int:
             console.print(f"{stage}: {out[stage]}")
     finally:
         lab.down()
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{out['commit']}-weights-{out['utc']}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    path = write_result(out, "weights")
     console.print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
