@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     rehearse_ = commands.add_parser("rehearse", help="the whole upgrade on sandbox hosts, proven")
-    rehearse_.add_argument("--hosts", type=int, default=2)
+    rehearse_.add_argument("--hosts", type=int, default=None,
+                           help="how many hosts (default: one per service profile of the manifest)")
     rehearse_.add_argument("--keep", action="store_true", help="leave the sandbox running afterwards")
     _sandbox_parsers(commands)
     return parser
