@@ -200,9 +200,11 @@ def served_dirs(settings: Settings) -> set[str]:
 
 
 def prune_choice(settings: Settings) -> list[dict]:
-    """The staged revisions past the newest service_models_keep of their repository, but what this run serves."""
+    """The staged revisions past the newest service_models_keep of their repository, but what this run serves.
+    What this run's weights step downloads counts as the newest: the plan (and --dry) reads the host before it."""
     staged = reads.fact(host, StagedRevisions, models_dir=settings.service_models_dir) or []
-    return revisions_to_prune(staged, settings.service_models_keep, served_dirs(settings))
+    staging = {model.directory(settings) for model in due_models(settings) if model.local_copy is None}
+    return revisions_to_prune(staged, settings.service_models_keep, served_dirs(settings), staging)
 
 
 def prune_line(settings: Settings, entry: dict) -> str:

@@ -107,18 +107,25 @@ def served_path(settings: Settings, role: str) -> str:
     return model.directory(settings)
 
 
-def _newest_first(entry: dict) -> tuple:
-    record = entry["record"] or {}
-    return entry["record"] is not None, str(record.get("verified_at", "")), entry["dir"]
+def _newest_first(staging: frozenset[str] | set[str]):
+    def key(entry: dict) -> tuple:
+        record = entry["record"] or {}
+        return entry["dir"] in staging, entry["record"] is not None, str(record.get("verified_at", "")), entry["dir"]
+    return key
 
 
-def revisions_to_prune(staged: list[dict], keep: int, protect: set[str]) -> list[dict]:
+def revisions_to_prune(staged: list[dict], keep: int, protect: set[str],
+                       staging: frozenset[str] | set[str] = frozenset()) -> list[dict]:
     """The staged revisions (facts/weights.py `StagedRevisions`) past the newest `keep` of each repository
-    (newest: by the time their record says they were verified; a directory without a record, a download
-    never finished, after those), but those in `protect` (what this run serves) and pre-staged copies."""
+    (newest: what this run stages, `staging`, counted before it is there; then by the time their record says
+    they were verified; a directory without a record, a download never finished, after those), but those in
+    `protect` (what this run serves) and pre-staged copies."""
+    known = {entry["dir"] for entry in staged}
+    arriving = [{"dir": path, "present": False, "record": None} for path in sorted(staging - known)]
     by_repository: dict[str, list[dict]] = {}
-    for entry in staged:
+    for entry in staged + arriving:
         if not (entry["record"] or {}).get("prestaged"):   # its record only: the copy is someone else's
             by_repository.setdefault(posixpath.dirname(entry["dir"]), []).append(entry)
     return [entry for _folder, entries in sorted(by_repository.items())
-            for entry in sorted(entries, key=_newest_first, reverse=True)[keep:] if entry["dir"] not in protect]
+            for entry in sorted(entries, key=_newest_first(staging), reverse=True)[keep:]
+            if entry["dir"] not in protect | staging]

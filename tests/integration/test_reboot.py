@@ -20,7 +20,7 @@ from sandbox.lab import STANDIN_SERVER_DIR
 from sandbox.standins.wheels import FLASHINFER_IMPORT_HOLD
 from sandbox.standins import hub
 from test_interrupted import INSTALL_HOLD, SERVER_HOLD, STALE_LOCK_WARNING, hold, release, start, wait_for_step
-from test_weights import BIG, KIMI, control, download_process, hub_requests
+from weights_lab import BIG, KIMI, control, download_process, hub_requests
 
 pytestmark = pytest.mark.integration
 

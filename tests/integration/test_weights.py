@@ -2,60 +2,24 @@
 (sandbox/standins/hub.py, served by the lab's artifact server under /hub) by the release's real
 huggingface_hub, before the service step; the unit names the staged directories; a converged host
 changes nothing and fetches nothing; a cut download resumes on the next run; a controller killed during
-the download leaves it going on on the host, under the lock.
+the download leaves it going on on the host, under the lock; old revisions (the stand-in Hub's second commit
+of each repository) are pruned after the service step, never one that a unit of the service names.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from pyinfra_run import apply, dry_run, run_pyinfra
-from sandbox.lab import ARTIFACT_PORT
-from test_interrupted import interrupt, start, wait_for_step, wait_until_idle
 from sandbox.standins import hub
-from servestack.manifest import PROJECT_ROOT
+from test_interrupted import interrupt, start, wait_for_step, wait_until_idle
+from weights_lab import (BIG, DRAFT, GOOD_UNIT, KIMI, MODELS_DIR, UNIT, control, download_process, hub_requests,
+                         staged_dir)
 
 pytestmark = pytest.mark.integration
-
-KIMI, DRAFT = "nvidia/Kimi-K2.5-NVFP4", "lightseekorg/kimi-k2.5-eagle3"
-BIG = "model-00001-of-00002.safetensors"          # 12 MiB: more than huggingface_hub 0.36.2's 10 MiB chunk
-MODELS_DIR = "/var/lib/servestack/models"
-UNIT = "/etc/systemd/system/sglang.service"
-
-
-def control(lab, method: str, *args, **kwargs):
-    """A call of the lab's artifact server's control client (sandbox.artifacts.ArtifactControl)."""
-    code = (f"import json; from sandbox.artifacts import ArtifactControl as C; "
-            f"print(json.dumps(C('http://127.0.0.1:{ARTIFACT_PORT}').{method}(*{args!r}, **{kwargs!r})))")
-    out = subprocess.run(lab.controller_argv([sys.executable, "-c", code]), cwd=PROJECT_ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out)
-
-
-def staged_dir(repo: str) -> str:
-    return f"{MODELS_DIR}/{repo.replace('/', '--')}/{hub.commits()[repo]}"
-
-
-def hub_requests(lab) -> list[dict]:
-    return [record for record in control(lab, "requests") if record["path"].startswith(hub.PREFIX + "/")]
-
-
-def download_process(lab, host, busy_pid: int, timeout: float = 240) -> str:
-    """The pid of the download's python: busy.sh (`busy_pid`, its lock.activity's) runs `bash -c`, which runs it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = lab.exec(host, f"pgrep -f -P \"$(pgrep -d, -P {busy_pid})\" stage-weights").stdout.split()
-        if found:
-            return found[0]
-        time.sleep(0.2)
-    raise AssertionError(f"no download started under busy.sh {busy_pid} on {host.name} within {timeout} s")
-
 
 def test_weights_are_staged_before_the_restart_resume_when_cut_and_are_not_fetched_again(lab):
     the_lab = lab(1)
@@ -217,3 +181,48 @@ def test_sigterm_during_the_download_leaves_it_going_on_under_the_lock_and_an_im
     assert apply(the_lab).totals["error"] == 0
     assert [record for record in hub_requests(the_lab) if "/resolve/" in record["path"]] == []   # none again
     assert apply(the_lab).totals["success"] == 0
+
+
+def test_old_revisions_are_pruned_after_the_service_step_but_never_one_a_unit_of_the_service_names(lab):
+    the_lab = lab(1)
+    host = the_lab.hosts[0]
+    old, new, draft = staged_dir(KIMI), staged_dir(KIMI, "v2"), staged_dir(DRAFT)
+    label = f"{KIMI}@{hub.commits()[KIMI][:12]}"
+    apply(the_lab)   # the manifest's pins: the first commit of the model and of the draft
+    newer = ("--data", f"service_model_revision={hub.commits('v2')[KIMI]}")
+    apply(the_lab, "deploy.py", *newer)   # the newer commit; 2 kept (the manifest's models_keep)
+    assert the_lab.exec(host, f"test -d {old} && test -d {new} && test -d {draft}").returncode == 0
+    assert f"--model-path {new} " in the_lab.exec(host, f"cat {UNIT}", check=True).stdout
+
+    # the known-good unit names the older revision, as the unit a rollback returns to does until a gate passes
+    # (here by hand: the gate that passed made it the active unit's copy)
+    the_lab.exec(host, f"sed -i 's|{new}|{old}|' {GOOD_UNIT}", check=True)
+    keep_one = (*newer, "--data", "service_models_keep=1")
+    before = the_lab.fingerprints()
+    dry = dry_run(the_lab, "deploy.py", *keep_one)
+    assert f"prune the model weights {label} (13.6 MB) in {MODELS_DIR}: past the newest 1 of its repository " \
+           "(service_models_keep), unless the active or the known-good unit serves it" in dry.output, \
+        dry.output[-6000:]
+    assert draft not in dry.output.split("prune the model weights", 1)[1]   # the draft's one revision is served
+    assert the_lab.fingerprints() == before, "a dry run changed the host"
+    apply(the_lab, "deploy.py", *keep_one)   # chosen while pyinfra prepared the run; kept on the host
+    assert the_lab.exec(host, f"test -d {old} && test -f {old}.verified.json").returncode == 0
+
+    # the known-good unit as the gate left it: the older revision goes, after the service step
+    the_lab.exec(host, f"cp {UNIT} {GOOD_UNIT}", check=True)
+    pruned = apply(the_lab, "deploy.py", *keep_one)
+    assert pruned.totals["success"] == 1, pruned.output[-6000:]   # the prune, the one change
+    assert the_lab.exec(host, f"test ! -e {old} && test ! -e {old}.verified.json").returncode == 0
+    assert the_lab.exec(host, f"test -f {new}.verified.json && test -f {draft}.verified.json").returncode == 0
+
+    # back to the first commit, 1 kept: the revision it pushes out is listed before the download, and pruned
+    back = ("--data", "service_models_keep=1")
+    listed = dry_run(the_lab, "deploy.py", *back)
+    assert f"prune the model weights {KIMI}@{hub.commits('v2')[KIMI][:12]} (13.6 MB)" in listed.output, \
+        listed.output[-6000:]
+    apply(the_lab, "deploy.py", *back)
+    assert the_lab.exec(host, f"test ! -e {new} && test ! -e {new}.verified.json").returncode == 0
+    assert the_lab.exec(host, f"test -f {old}.verified.json && test -f {draft}.verified.json").returncode == 0
+    again = apply(the_lab, "deploy.py", *back)
+    assert again.totals["success"] == 0 and again.totals["error"] == 0   # nothing pruned, nothing else changed
+    assert the_lab.exec(host, f"test -d {old} && test -d {draft}").returncode == 0

@@ -255,6 +255,19 @@ def test_old_revisions_past_the_newest_kept_are_pruned_never_what_the_run_serves
         "(service_models_keep), unless the active or the known-good unit serves it once the service step is done")
 
 
+def test_what_the_run_downloads_counts_as_the_newest_revision_before_it_is_there():
+    kimi = "/m/nvidia--Kimi-K2.5-NVFP4"
+    C = "c" * 40
+    entries = [staged(f"{kimi}/{A}", "20260101T000000Z"), staged(f"{kimi}/{B}", "20260301T000000Z")]
+    # keep 2: B and the revision C this run downloads stay, A goes in this run (not the next one)
+    assert [entry["dir"] for entry in revisions_to_prune(entries, 2, {f"{kimi}/{C}"}, {f"{kimi}/{C}"})] == [
+        f"{kimi}/{A}"]
+    assert revisions_to_prune(entries, 2, {f"{kimi}/{C}"}) == []    # without it, only the next converge would
+    # keep 1: only C; a revision staged again (its directory there, its record stale) is the newest too
+    assert [entry["dir"] for entry in revisions_to_prune(entries, 1, {f"{kimi}/{A}"}, {f"{kimi}/{A}"})] == [
+        f"{kimi}/{B}"]
+
+
 def test_the_number_kept_is_the_manifests_unless_host_data_says_and_is_bounded():
     assert settings().service_models_keep == 2
     assert settings(service_models_keep=1).service_models_keep == 1

@@ -90,6 +90,22 @@ def test_the_standin_answers_model_info_and_files_with_the_headers_the_client_re
     assert (status, headers["X-Error-Code"]) == (401, "GatedRepo")
 
 
+def test_each_standin_repository_has_a_second_commit_with_other_bytes_and_main_names_the_first(server):
+    first, second = hub.repositories()[KIMI], hub.repositories(generation="v2")[KIMI]
+    assert hub.commits("v2")[KIMI] == second.commit != first.commit == hub.commits()[KIMI]
+    assert second.file(BIG).sha256 != first.file(BIG).sha256 and len(second.file(BIG).data) == hub.WEIGHT_SIZES[0]
+    for revision, expected in ((second.commit, second), ("main", first)):
+        status, _, body = get(f"{server.url}/hub/api/models/{KIMI}/revision/{revision}?blobs=True")
+        info = json.loads(body)
+        assert (status, info["sha"]) == (200, expected.commit)
+        assert {sibling["rfilename"]: sibling["lfs"]["sha256"] for sibling in info["siblings"] if "lfs" in sibling} \
+            == {item.name: item.sha256 for item in expected.files if item.lfs}
+    status, headers, body = get(f"{server.url}/hub/{KIMI}/resolve/{second.commit}/{BIG}")
+    assert (status, headers["X-Repo-Commit"], body) == (200, second.commit, second.file(BIG).data)
+    status, headers, _ = get(f"{server.url}/hub/api/models/{KIMI}/revision/{hub.commits('v2')[DRAFT]}")
+    assert (status, headers["X-Error-Code"]) == (404, "RevisionNotFound")   # a commit of another repository
+
+
 # --- stage-weights.py with the real clients ---------------------------------------------------------------
 
 def test_plan_lists_what_is_missing_and_the_hubs_refusals(server, tmp_path):
