@@ -332,7 +332,7 @@ def test_sandboxes_run_side_by_side_and_hosts_outlive_their_process(booted, sand
 
 # docs/sandbox.md's "Sandbox commands", verbatim: the sandbox is "default" there, named by SERVESTACK_SANDBOX here.
 README_COMMANDS = {
-    "up": './servestack.sh sandbox up --hosts 3 [--gpu "NVIDIA H200" --capability 9.0 --driver 580.159.04] '
+    "up": './servestack.sh sandbox up --hosts 3 [--gpu "NVIDIA B200" --capability 10.0 --driver 580.159.04] '
           '[--user ubuntu]',
     "run": "./servestack.sh sandbox run -- .venv/bin/pyinfra /var/tmp/servestack-sandbox/default/inventory.py "
            "deploy.py --dry --diff",
@@ -383,7 +383,7 @@ def test_the_readme_sandbox_commands_up_run_exec_down(sandbox_rootfs, sandbox_na
     for host in lab.hosts:                                                              # --gpu --capability --driver
         gpus = lab.exec(host, "nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader",
                         check=True).stdout.splitlines()
-        assert gpus and set(gpus) == {"NVIDIA H200, 9.0, 580.159.04"}
+        assert gpus and set(gpus) == {"NVIDIA B200, 10.0, 580.159.04"}
 
     before = lab.fingerprints()
     dry = readme_command("run", name)
