@@ -427,10 +427,12 @@ def local_model_paths(settings: Settings) -> list[str]:
 def deploy_reads(settings: Settings) -> list[FactRequest]:
     """What `sglang_service` itself decides from when deploy.py runs (its operations read the rest):
     the service user's account, the host's groups, the ML environment before this run (where
-    venv_path points: the venv step's own MlEnvState)."""
+    venv_path points: the venv step's own MlEnvState), and the speculation record, which names the
+    adaptive config files `host_reads` lists with the release."""
     return [FactRequest.of(Groups),
             FactRequest.of(UserAccount, user=settings.service_user),
-            FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings))]
+            FactRequest.of(MlEnvState, **mlenv_fact_arguments(settings)),
+            FactRequest.of(ServiceRecord, path=speculation_record_path(settings))]
 
 
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
@@ -447,7 +449,6 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
         FactRequest.of(Sha256File, path=unit_path(settings)),
         FactRequest.of(Sha256File, path=good_unit_path(settings)),
         FactRequest.of(ServiceRecord, path=service_record_path(settings)),
-        FactRequest.of(ServiceRecord, path=speculation_record_path(settings)),
     ]
     if release is not None:
         requests += [
@@ -455,8 +456,22 @@ def host_reads(settings: Settings, release: Release | None = None) -> list[FactR
             FactRequest.of(PatchsetDigest, release_dir=release.dir),
             *patches.host_reads(settings, release),   # patchset_digest: what the patches step leaves
             FactRequest.of(Sha256File, path=unit_copy_path(settings, release)),
+            *adaptive_config_reads(settings, release),
         ]
     return requests
+
+
+def adaptive_config_reads(settings: Settings, rel: Release) -> list[FactRequest]:
+    """The adaptive config files the unit for `rel` may name (`served_now`): the one the speculation
+    record gives if it measured what the service runs, else SGLang's own; both, as whether it did is
+    known only from the release's patch set, read with this list."""
+    if settings.service_speculation != "adaptive":
+        return []
+    policy, min_gain = settings.service_speculation, settings.service_speculation_min_gain
+    record = reads.fact(host, ServiceRecord, path=speculation_record_path(settings))
+    measured = served(policy, min_gain, record, (record or {}).get("fingerprint", ""))
+    configs = (adaptive_config_file(rel, what) for what in (measured, served(policy, min_gain, None, "")))
+    return [FactRequest.of(Sha256File, path=config[0]) for config in configs if config]
 
 
 # -- operations ------------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ class Stack:
     server_choices: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the oldest compute capability (major * 10 + minor) its sglang loads a quantization method on
     min_capability: tuple[tuple[str, int], ...] = ()
+    # its sglang runs SGLang's adaptive speculation as servestack writes its config (profiles.py)
+    adaptive_speculation: bool = False
 
     def choices(self, key: str) -> tuple[str, ...]:
         return dict(self.server_choices)[key]
@@ -147,6 +149,10 @@ class _Reader:
         if value <= 0:
             raise self.fail(name, "a positive integer", value)
         return value
+
+    def flag(self, name: str) -> bool:
+        """An optional key, true or false; false where it is absent."""
+        return self.get(name, bool, "true or false") if name in self.table else False
 
     def abs_path(self, name: str) -> str:
         value = self.get(name, str, "an absolute path")
@@ -275,7 +281,7 @@ def _min_capability(reader: _Reader, quantizations: tuple[str, ...]) -> tuple[tu
 
 
 def _stack(reader: _Reader, name: str, indexes: dict[str, str]) -> Stack:
-    reader.only({"torch_cuda", "exclude_newer", "packages", "server_choices", "min_capability"})
+    reader.only({"torch_cuda", "exclude_newer", "packages", "server_choices", "min_capability", "adaptive_speculation"})
     packages = _packages(reader, indexes)
     torch_cuda = reader.get("torch_cuda", str, "the CUDA version torch.version.cuda reports, like '13.0'")
     if not re.fullmatch(r"\d+\.\d+", torch_cuda):
@@ -293,7 +299,8 @@ def _stack(reader: _Reader, name: str, indexes: dict[str, str]) -> Stack:
                           f"(+cu{torch_cuda.replace('.', '')}) or no label", torch.version)
     choices = _server_choices(reader)
     return Stack(name=name, packages=packages, torch_cuda=torch_cuda, exclude_newer=exclude_newer,
-                 server_choices=choices, min_capability=_min_capability(reader, dict(choices)["quantization"]))
+                 server_choices=choices, min_capability=_min_capability(reader, dict(choices)["quantization"]),
+                 adaptive_speculation=reader.flag("adaptive_speculation"))
 
 
 def _stacks(reader: _Reader, indexes: dict[str, str]) -> dict[str, Stack]:

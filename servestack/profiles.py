@@ -32,10 +32,8 @@ PATCHED_PACKAGE = "sglang"                     # service_patches name patches of
 Problems = list[tuple[str, str]]  # (field, what is wrong)
 
 # Adaptive speculation (service_speculation = "adaptive", issue 33), as read in the sglang 0.5.14 wheel
-# (docs/facts/sglang-adaptive-speculation.md). The sglang versions servestack knows to have it as it
-# writes its config: a bucket's candidate steps may be 0 (speculation off) from 0.5.14; a stack whose
-# sglang is not listed has none here.
-ADAPTIVE_SPECULATION_VERSIONS = ("0.5.14",)
+# (docs/facts/sglang-adaptive-speculation.md); the stacks whose sglang has it as servestack writes its
+# config say so in the manifest (`adaptive_speculation`).
 # srt/speculative/adaptive_spec_params.py `adaptive_unsupported_reason` (L50-85): only EAGLE and EAGLE3
 # (NEXTN is renamed EAGLE before, arg_groups/speculative_hook.py L42-48, called at L81 before the check
 # at L122-125), only topk 1, and none of these flags; otherwise SGLang runs static speculation with only
@@ -124,10 +122,13 @@ def patch_names(version: str) -> tuple[str, ...]:
 def adaptive_unsupported_reason(fields: dict, manifest: Manifest) -> str | None:
     """Why a serving configuration (profile fields, host extra args merged) cannot run SGLang's adaptive
     speculation as servestack writes its config; None when it can."""
-    version = _sglang_version(fields["stack"], manifest)
-    if version not in ADAPTIVE_SPECULATION_VERSIONS:
-        return (f"stack {fields['stack']!r} has no adaptive speculation servestack knows (sglang {version or 'none'}; "
-                f"known: sglang {', '.join(ADAPTIVE_SPECULATION_VERSIONS)})")
+    stack = manifest.stacks.get(fields["stack"])
+    if stack is None or not stack.adaptive_speculation:
+        known = sorted({f"sglang {_sglang_version(name, manifest)}" for name, other in manifest.stacks.items()
+                        if other.adaptive_speculation})
+        return (f"stack {fields['stack']!r} has no adaptive speculation servestack knows (sglang "
+                f"{_sglang_version(fields['stack'], manifest) or 'none'}; known: {', '.join(known) or 'none'}, "
+                f"where a stack of {manifest.path} says adaptive_speculation = true)")
     algorithm, topk = fields["speculative_algorithm"], fields["speculative_eagle_topk"]
     if algorithm not in ADAPTIVE_ALGORITHMS:
         return (f"speculative_algorithm {algorithm}: sglang runs adaptive speculation only for "

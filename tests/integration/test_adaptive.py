@@ -6,7 +6,8 @@ for it), whose stand-in server's speculation is faster below 8 requests in fligh
 writes SGLang's adaptive config with speculation off from 16 (the first level measured to lose; between
 4 and 16 the crossover is not measured) and SGLang's own slots 1 and 8 below, starts the unit with
 `--speculative-adaptive --speculative-adaptive-config <file>` and measures it too; the record holds the
-numbers and the config. A second converge measures nothing and changes nothing. The numbers are the
+numbers and the config. A second converge measures nothing, changes nothing and costs no remote
+command more than any other host's (tests/integration/test_probe.py). The numbers are the
 stand-in's simulation (SIMULATED): at 16 and 64 the simulated speculation is some 15% and 30% slower.
 """
 
@@ -19,6 +20,7 @@ import pytest
 from pyinfra_run import apply, dry_run, small_benchmark_manifest
 from sandbox.lab import STANDIN_SERVER_DIR
 from sandbox.rehearse import server_info
+from test_probe import MAX_NOOP_COMMANDS, counted_run
 
 RECORD = "/var/lib/servestack/speculation.json"
 UNIT = "/etc/systemd/system/sglang.service"
@@ -81,7 +83,11 @@ def test_a_second_converge_neither_measures_nor_changes_anything(adaptive):
     dry = dry_run(lab)
     assert "will benchmark" not in dry.output
     assert "no change: measured for what the service runs (by deploy at " in dry.output
-    second = apply(lab)
-    assert second.totals["success"] == 0 and second.totals["error"] == 0
+    second, counts = counted_run(lab, "-y", "--json")   # as `apply`, counting the remote commands
+    assert second.returncode == 0, second.stderr[-6000:]
+    totals = json.loads(second.stdout)["results"]["totals"]
+    assert totals["success"] == 0 and totals["error"] == 0
     assert "benchmarking" not in second.stderr
+    # no command more than a host of any other policy: the adaptive config is read in the step's batch
+    assert counts["h1"]["commands"] <= MAX_NOOP_COMMANDS and counts["h1"]["transfers"] == 0, counts
     assert (sh(lab, host, f"cat {RECORD}"), starts(lab, host), sh(lab, host, f"cat {UNIT}")) == before

@@ -11,12 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from pyinfra.api.deploy import add_deploy
 from pyinfra.context import ctx_host, ctx_state
+from pyinfra.facts.files import FileContents, Sha256File
 
+from facts.batch import FactRequest
 from operations import service
 from sandbox.standins import fake_sglang_server as standin
 from servestack import bench, serving
 from servestack.manifest import load_manifest
+from servestack.paths import speculation_record_path, unit_path
 from servestack.profiles import adaptive_unsupported_reason, speculation_policy_problems
 from servestack.settings import settings_from_data
 from servestack.speculation_policy import (
@@ -33,7 +37,7 @@ from servestack.speculation_policy import (
     record_decision,
     served,
 )
-from tests.unit.fake_host import fake_state
+from tests.unit.fake_host import fake_state, read_keys
 from tests.unit.sglang_venv import sglang_python
 
 OFF = SGLANG_DEFAULT_ADAPTIVE_CONFIG["64"]   # SGLang's own off slot
@@ -166,6 +170,39 @@ def test_the_unit_parses_with_sglangs_own_parser_and_the_stand_ins():
     assert parsed.speculative_adaptive is True
     assert parsed.speculative_adaptive_config == "/opt/r/speculative-adaptive-0123.json"
     assert standin.parse(argv).speculative_adaptive is True
+
+
+FRESH_HOST = {"command -v curl": "/usr/bin/curl", "command -v useradd": "/usr/sbin/useradd", "uname -s": "Linux"}
+
+
+def adaptive_host(record: dict | None = None):
+    """An adaptive host (pyinfra's @fake connector) whose speculation record is `record`."""
+    data = {"service_profile": "glm-5-mtp", "service_speculation": "adaptive"}
+    record_read = {speculation_record_path(host(**data)): json.dumps(record)} if record else {}
+    state = fake_state({**data, "fake_responses": {**FRESH_HOST, **record_read}})
+    return state, state.inventory.get_host("@fake/gpu1")
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_the_service_step_of_an_adaptive_host_reads_the_config_in_the_batch(monkeypatch, measured):
+    """A converged adaptive host costs no remote command more than another (tests/integration/test_probe.py
+    counts 4): the adaptive config the unit names is read in the step's batch (`host_reads`), measured for
+    this host or SGLang's own, from the speculation record read before the release is chosen (`deploy_reads`)."""
+    s = host(service_speculation="adaptive")
+    rel = service.release(s, RELEASE_ID)
+    state, gpu1 = adaptive_host()
+    with ctx_state.use(state), ctx_host.use(gpu1):
+        identity = service.service_identity(s, rel)
+    record = record_for(identity, {1: 110, 4: 400, 16: 1200}, {1: 90, 4: 340, 16: 1300}) if measured else None
+    config = adaptive_plan(0.02, record["configurations"]).config if record else SGLANG_DEFAULT_ADAPTIVE_CONFIG
+    wanted = FactRequest.of(Sha256File, path=service.adaptive_config_file(rel, Served(ADAPTIVE, config))[0]).key
+    state, gpu1 = adaptive_host(record)
+    keys = read_keys(monkeypatch)
+    with ctx_state.use(state), ctx_host.use(gpu1):
+        listed = {request.key for request in service.host_reads(s, rel)}
+    add_deploy(state, service.sglang_service, release=rel)
+    assert wanted in keys and wanted in listed
+    assert set(keys) - listed == {FactRequest.of(FileContents, path=unit_path(s)).key}   # read only to diff a change
 
 
 # -- refused before connecting ------------------------------------------------------------------------

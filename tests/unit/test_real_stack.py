@@ -246,3 +246,39 @@ def test_each_stacks_min_capabilities_are_what_its_real_sglang_loads_on(stack):
     assert methods <= set(listed)
     with zipfile.ZipFile(fetch_wheel("sglang", MANIFEST.stacks[stack].package("sglang").version)) as wheel:
         assert {method: _min_capability(wheel, _class_of_method(wheel, method)) for method in listed} == listed
+
+
+# --- adaptive speculation (issue 33) -------------------------------------------------------------------
+
+ADAPTIVE_PARAMS = "sglang/srt/speculative/adaptive_spec_params.py"
+
+
+def _defines_flag(node: ast.AST, flag: str) -> bool:
+    """`node` defines `flag`: an `add_argument(flag, ...)` (0.5.9), or the ServerArgs field whose name
+    srt/arg_groups/arg_utils.py `_field_to_cli_name` turns into it (0.5.14, L147-149)."""
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args:
+        return isinstance(node.args[0], ast.Constant) and node.args[0].value == flag
+    return isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == flag[2:].replace("-", "_")
+
+
+def sglang_adaptive_speculation(version: str) -> bool:
+    """Whether the real sglang `version` runs adaptive speculation as servestack writes its config: its
+    srt/server_args.py defines --speculative-adaptive (0.5.14: L1544-1547) and a bucket's candidate steps
+    may be 0, speculation off (0.5.14: srt/speculative/adaptive_spec_params.py takes any non-negative
+    steps, L106-116, and its own DEFAULT_ADAPTIVE_CONFIG has [0] from 64, L41-43)."""
+    with zipfile.ZipFile(fetch_wheel("sglang", version)) as wheel:
+        server_args = ast.parse(wheel.read("sglang/srt/server_args.py").decode())
+        params = ast.parse(wheel.read(ADAPTIVE_PARAMS).decode() if ADAPTIVE_PARAMS in wheel.namelist() else "")
+    if not any(_defines_flag(node, "--speculative-adaptive") for node in ast.walk(server_args)):
+        return False
+    defaults = next((ast.literal_eval(node.value) for node in params.body if isinstance(node, ast.AnnAssign)
+                     and getattr(node.target, "id", "") == "DEFAULT_ADAPTIVE_CONFIG"), {})
+    return any(0 in slot["candidate_steps"] for slot in defaults.values())
+
+
+@pytest.mark.parametrize("stack", sorted(MANIFEST.stacks))
+def test_each_stacks_adaptive_speculation_is_what_its_real_sglang_can_do(stack):
+    """A host may ask for service_speculation = "adaptive" only on a stack whose table says
+    adaptive_speculation = true (profiles.adaptive_unsupported_reason): what its real sglang can do."""
+    version = MANIFEST.stacks[stack].package("sglang").version
+    assert MANIFEST.stacks[stack].adaptive_speculation is sglang_adaptive_speculation(version)

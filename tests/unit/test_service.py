@@ -16,16 +16,17 @@ from pyinfra.api.deploy import add_deploy
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra.api.operation import add_op
 from pyinfra.api.operations import run_ops
+from pyinfra.context import ctx_host, ctx_state
 from pyinfra.facts.files import FileContents
 
 from facts.batch import FactRequest
-from facts.service import UserAccount, combine_digests, parse_properties, parse_record
+from facts.service import ServiceRecord, UserAccount, combine_digests, parse_properties, parse_record
 from facts.venv import MlEnvState
 from operations import service
 from sandbox.standins import fake_sglang_server
 from servestack import serving
 from servestack.errors import ConfigError
-from servestack.paths import unit_path
+from servestack.paths import speculation_record_path, unit_path
 from servestack.scripts import SCRIPTS, script_text
 from servestack.settings import host_settings, settings_from_data
 from tests.unit.fake_host import fake_state, read_keys
@@ -453,15 +454,22 @@ def test_host_reads_lists_what_the_step_reads_with_the_same_arguments(monkeypatc
     assert {request.key for request in service.host_reads(s)} < listed
 
 
-def test_under_yes_the_deploy_function_reads_only_what_deploy_reads_lists(monkeypatch):
-    """pyinfra -y runs no operation while it prepares: what the step reads then is what
+@pytest.mark.parametrize("policy", ["on", "adaptive"])
+def test_under_yes_the_deploy_function_reads_only_what_deploy_reads_lists(monkeypatch, policy):
+    """pyinfra -y runs no operation while it prepares: what the step reads then, and what its
+    `host_reads` with the release reads to list (the adaptive config the record names), is what
     `deploy_reads` lists (deploy.py reads it with preflight's facts, in one command)."""
-    state = fleet(["gpu1"], FRESH_HOST)
+    data = {"service_profile": "glm-5-mtp", "service_speculation": policy}
+    state = fleet(["gpu1"], FRESH_HOST, **data)
     state.check_for_changes = False          # what pyinfra's CLI sets for -y
-    s = settings()
+    s, gpu1 = settings(**data), state.inventory.get_host("@fake/gpu1")
     keys = read_keys(monkeypatch)
     add_deploy(state, service.sglang_service, release=service.release(s, RELEASE_ID))
-    assert keys and set(keys) == {request.key for request in service.deploy_reads(s)}
+    with ctx_state.use(state), ctx_host.use(gpu1):
+        service.host_reads(s, service.release(s, RELEASE_ID))   # deploy.py lists it while it prepares
+    record = FactRequest.of(ServiceRecord, path=speculation_record_path(s)).key
+    assert set(keys) | {record} == {request.key for request in service.deploy_reads(s)}
+    assert (record in keys) == (policy == "adaptive")
 
 
 def test_a_dry_run_on_a_fresh_host_diffs_the_unit_of_the_planned_release(caplog):

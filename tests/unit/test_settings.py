@@ -87,6 +87,8 @@ def REF(data):
      "'stacks.sglang-0.5.9.exclude_newer': expected an RFC 3339 UTC time"),
     (lambda d: REF(d).update(torch_cuda="12.8"),
      "'stacks.sglang-0.5.9.packages': expected torch's local label to name the stack's torch_cuda 12.8"),
+    (lambda d: REF(d).update(adaptive_speculation="yes"),
+     "'stacks.sglang-0.5.9.adaptive_speculation': expected true or false, got 'yes'"),
     (lambda d: d.update(stacks={}), "'stacks': expected at least one stack table"),
     (lambda d: d["gpu"].update(count=0), "'gpu.count': expected a positive integer"),
     (lambda d: d.update(schema=2), "'schema': expected the schema number 1"),
