@@ -4,12 +4,13 @@ Patch sets live in files/patches/<package>/<version>/: NNNN-name.patch files (ap
 in name order) and an optional checks.py (see files/patches/sglang/0.5.9/checks.py).
 The fact runs servestack/patchlib.py with the environment's python (files/scripts/patch-check.sh,
 which carries it: servestack/scripts.py), every set of the package its argument; the engine reads
-the installed version, picks that version's set and prints one JSON object (see patchlib.main).
+the installed version, picks that version's set and prints one JSON object as the facts/framing.py
+section `patchlib.RESULT` (see patchlib.main).
 
 A set found in place leaves sums beside its record (patchlib `sums_path`): the sha256 of every file
 that check read. files/scripts/patch-check.sh confirms them with `sha256sum -c` first and, while
-they hold for the engine and set this controller sends, answers from the record instead of
-starting python; anything else runs the full check.
+they hold for the engine and set this controller sends, answers from the record (the section
+SUMS_HOLD) instead of starting python; anything else runs the full check.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from pathlib import Path
 
 from pyinfra.api import FactBase
 
+from facts.framing import split
 from servestack import patchlib
 from servestack.patchsets import PATCH_ROOT, load_patch_sets
 from servestack.scripts import atomic_write_command, script_command
 
 SCRIPT = "patch-check.sh"
-SUMS_HOLD = "servestack-patch-sums-hold"  # patch-check.sh's first line when the sums hold
+SUMS_HOLD = "sums-hold"  # patch-check.sh's section when the sums hold: python, record path, the record
 
 
 @functools.lru_cache(maxsize=8)
@@ -67,8 +69,7 @@ def remote_command(python: str, mode: str, package: str, record_path: str | None
     quick = quick and mode == "check" and bool(record_path)
     headers = dict.fromkeys(f"{patchlib.SUMS_HEADER} {digest}" for digest in digests.values())
     env = {"PYTHON": python, "ABSENT": absent, "RECORD": record_path or "",
-           "SUMS": patchlib.sums_path(record_path) if quick and record_path else "", "HEADERS": "\n".join(headers),
-           "HOLD": SUMS_HOLD}
+           "SUMS": patchlib.sums_path(record_path) if quick and record_path else "", "HEADERS": "\n".join(headers)}
     return script_command(SCRIPT, _packed(shared), base64.b64encode(request.encode()).decode(), env=env)
 
 
@@ -134,6 +135,8 @@ class PatchStates(FactBase):
         return remote_command(python, "check", package, record_path, patch_root)
 
     def process(self, output: list) -> dict:
-        if output and output[0] == SUMS_HOLD and len(output) >= 3:
-            return from_record(output[1], output[2], json.loads("\n".join(output[3:])))
-        return json.loads("\n".join(output))
+        sections = split(output)
+        held = sections.get(SUMS_HOLD)
+        if held and len(held.lines) >= 2:
+            return from_record(held.lines[0], held.lines[1], json.loads("\n".join(held.lines[2:])))
+        return json.loads(sections[patchlib.RESULT].text)

@@ -94,7 +94,7 @@ class CudaSample(_Reported):
 class PatchCheck(_Reported):
     """
     The patches step's check of the release's patch set (facts/patches.py), judging the patched
-    files themselves: one JSON object on its last line.
+    files themselves: one JSON object in its section `patchlib.RESULT`.
 
     + python: the release's interpreter
     + record_path: the set's record (None: the check's default beside the venv)

@@ -13,15 +13,17 @@ import shlex
 
 from pyinfra.api import FactBase
 
+from facts.framing import split
 from facts.service import parse_record
 from servestack.scripts import python_script_command
 
 SCRIPT = "stage-weights.py"
+PLAN = "plan"   # the section its `plan` prints the plan in (facts/framing.py)
 
 
 class WeightsPlan(FactBase):
     """
-    What the Hub lists for each model and the host lacks (stage-weights.py `plan`'s JSON), or None when
+    What the Hub lists for each model and the host lacks (stage-weights.py `plan`'s section), or None when
     the host has no ``python``.
 
     + python: the host's interpreter (``venv_python``)
@@ -35,8 +37,9 @@ class WeightsPlan(FactBase):
         return f"if command -v {shlex.quote(python)} >/dev/null 2>&1; then {run}; fi"
 
     def process(self, output):
+        found = split(output).get(PLAN)
         try:
-            return json.loads(output[-1]) if output else None
+            return json.loads(found.text) if found else None
         except ValueError:
             return None
 

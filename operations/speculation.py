@@ -49,6 +49,7 @@ from pyinfra.api import FunctionCommand, StringCommand, deploy, operation
 from pyinfra.facts.server import Groups
 
 from facts.batch import FactRequest
+from facts.framing import split
 from facts.service import PatchsetDigest, ServiceRecord, UnitState
 from operations import patches, preflight, service, venv
 from operations.patches import patchset_digest
@@ -98,6 +99,7 @@ from servestack.speculation_policy import (
 # (servestack/runreport.py matches "health-gated restart").
 BENCHMARK = "Health-gated restarts: speculation benchmark"
 CLIENT = PROJECT_ROOT / "files" / "scripts" / "bench-client.py"
+RESULT = "result"   # the section the client prints its measurement in (facts/framing.py)
 
 
 def host_reads(settings: Settings, release: Release | None = None) -> list[FactRequest]:
@@ -241,14 +243,14 @@ def _measure(state, host, job: Job, config: str) -> dict | None:
                              f"benchmark of the {config} configuration", "bash", "-c",
                              client_command(settings.venv_python, job.params))
     ok, stdout, stderr = run_remote(host, StringCommand(command))
-    results = [line for line in stdout if line.startswith("{")]
-    if not ok or not results:
+    result = split(stdout).get(RESULT)
+    if not ok or result is None:
         said = said_in(stderr, nothing="no output")
         fail_host(host, REFUSED, [f"the benchmark of the {config} configuration failed: {said}; "
                                   f"{settings.service_name} keeps serving the {config} configuration "
                                   "(the last unit that passed the health gate); nothing was recorded"])
         return None
-    return json.loads(results[-1])
+    return json.loads(result.text)
 
 
 def _summary(config: str, result: dict) -> str:
@@ -388,6 +390,8 @@ def bench_now(runs: int | None = None, concurrency: list[int] | None = None, req
     measured and the host left in the one its policy chooses, the record written; nothing else changes."""
     settings = host_settings(host)
     on_demand = {"runs": runs, "concurrency": concurrency, "request": request}
-    preflight.locked_run(reads=functools.partial(_steps_reads, settings), decides=venv.host_reads(settings),
+    # the speculation record names the adaptive config files the service step reads with the release
+    decides = [*venv.host_reads(settings), FactRequest.of(ServiceRecord, path=speculation_record_path(settings))]
+    preflight.locked_run(reads=functools.partial(_steps_reads, settings), decides=decides,
                          choose=functools.partial(_deployed_release, settings),
                          steps=lambda release: measure(release=release, on_demand=on_demand))

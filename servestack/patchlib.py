@@ -35,6 +35,7 @@ UPSTREAM = "upstream"
 CONFLICT = "conflict"
 
 RECORD_NAME = "servestack-patches.json"
+RESULT = "result"   # the facts/framing.py section `main` prints its answer in
 SUMS_HEADER = "servestack-patch-sums 1"
 
 _HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -600,8 +601,13 @@ def _dist_info(package: str) -> tuple[str, Path, Path] | None:
     return None
 
 
+def section(name: str, text: str) -> None:
+    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
+    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
+
+
 def remote_main(payload: dict) -> int:
-    """Run on the host by the environment's python; prints one JSON object.
+    """Run on the host by the environment's python; prints one JSON object as the section RESULT.
 
     payload: {"mode": "check"|"apply", "package", "record_path" (or None: sys.prefix),
               "sets": {version: {"patches": [[name, text], ...], "checks": source|None}},
@@ -614,7 +620,7 @@ def remote_main(payload: dict) -> int:
     out = {"python": sys.executable, "package": package, "installed": False}
     found = find_distribution(package)
     if found is None:
-        print(json.dumps(out))
+        section(RESULT, json.dumps(out))
         return 0
     version, site_packages, metadata = found
     patch_set = payload["sets"].get(version)
@@ -650,7 +656,7 @@ def remote_main(payload: dict) -> int:
         )
         if payload["mode"] == "check" and sums and in_place(results, out["record"]):
             out["sums"] = sums_text(*sums, record_path, record_path.read_bytes(), results)
-    print(json.dumps(out))
+    section(RESULT, json.dumps(out))
     return 0
 
 

@@ -20,8 +20,8 @@
 # A round at level N: the sum of its requests' tokens over the round's wall time.
 # After the concurrency-1 runs: GET /server_info, internal_states[0].avg_spec_accept_length (a
 # running average since the server started: absent without speculation).
-# Output: one JSON object on stdout (see `measure`). Exit: 0; 1 with the reason on stderr when a
-# request fails or the server answers something unusable.
+# Output: one JSON object (see `measure`) as the section `result` on stdout (facts/framing.py). Exit: 0;
+# 1 with the reason on stderr, and no section, when a request fails or the server answers something unusable.
 
 import base64
 import json
@@ -208,6 +208,11 @@ def measure(params):
             "ttft_s": stats(run["ttft_s"] for run in runs), "concurrency": levels}
 
 
+def section(name, text):
+    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
+    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
+
+
 def main(argv):
     if len(argv) != 2:
         print("usage: bench-client.py PARAMS  (base64 JSON)", file=sys.stderr)
@@ -218,8 +223,7 @@ def main(argv):
     except BenchError as error:
         print(f"servestack: benchmark of {params.get('url')}: {error}", file=sys.stderr)
         return 1
-    json.dump(result, sys.stdout)
-    sys.stdout.write("\n")
+    section("result", json.dumps(result))
     return 0
 
 

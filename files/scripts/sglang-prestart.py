@@ -22,7 +22,8 @@ Nothing is downloaded: HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE are set.
 
 Output: progress lines `servestack: ...` on stdout; on a refusal one line `servestack: SGLang refuses
 release R (profile P): <SGLang's message>` on stderr and exit 1; exit 2 without PARAMS. Last on
-stdout, one JSON line: {"sglang": version, "checked": [...], "not_checked": [...], "refused": text|null}.
+stdout, one JSON object as the section `result` (facts/framing.py): {"sglang": version, "checked": [...],
+"not_checked": [...], "refused": text|null}.
 """
 
 import json
@@ -44,6 +45,11 @@ class Refused(Exception):
 def say(text):
     sys.stdout.write("servestack: %s\n" % text)
     sys.stdout.flush()
+
+
+def section(name, text):
+    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
+    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
 
 
 def first_line(error):
@@ -165,7 +171,7 @@ def main(argv):
     if result["refused"]:
         sys.stderr.write("servestack: SGLang refuses release %s (profile %s): %s\n"
                          % (params["release"], params["profile"], result["refused"]))
-    sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+    section("result", json.dumps(result, sort_keys=True))
     return 1 if result["refused"] else 0
 
 

@@ -14,8 +14,9 @@ file (operations/weights.py uploads it), which the Hub client reads itself; `pla
 
 plan: asks the Hub for each revision's file list (GET /api/models/REPO/revision/REV?blobs=true, as
   huggingface_hub's `model_info(files_metadata=True)` does) and compares it with DIR (sizes only: no
-  file is read). Prints one JSON line: {"models": [{"repo", "revision", "dir", "prestaged", "files",
-  "bytes", "missing_files", "missing_bytes", "differs", "problem", "needs_token"}], "free_bytes": N};
+  file is read). Prints one JSON object as the section `plan` (facts/framing.py): {"models": [{"repo",
+  "revision", "dir", "prestaged", "files", "bytes", "missing_files", "missing_bytes", "differs", "problem",
+  "needs_token"}], "free_bytes": N};
   `differs` says for each missing file why ("absent", "N bytes, the Hub's file has M"). `problem` is the
   Hub's answer when it has no such revision or repository, or will not list it without a token
   (then `needs_token` is true). Exit 0.
@@ -66,6 +67,11 @@ def say(text):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
+
+
+def section(name, text):
+    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
+    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
 
 
 def fail(text):
@@ -147,7 +153,7 @@ def plan(params):
                          missing_files=sorted(differs), differs=differs,
                          missing_bytes=sum(files[name][0] or 0 for name in differs))
         models.append(entry)
-    print(json.dumps({"models": models, "free_bytes": free_bytes(params["models_dir"])}))
+    section("plan", json.dumps({"models": models, "free_bytes": free_bytes(params["models_dir"])}))
 
 
 # --- fetch: the release's huggingface_hub --------------------------------------------------------------

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 from packaging.version import InvalidVersion, Version
 
 from facts.framing import Section, split
 from facts.toolkit import parse_json_object
 from facts.verify import REPORT, HostReport
+from servestack import patchlib
 from servestack.paths import PATCH_RECORDS
 
 
@@ -20,20 +19,20 @@ def tail(section: Section, count: int) -> str:
     return "\n".join(nonblank(section)[-count:])
 
 
+def json_section(section: Section, name: str) -> dict | None:
+    """The JSON object printed as the section `name` (the last one) in `section`'s output, or None."""
+    found = split(section.lines).get(name)
+    return parse_json_object(found.text) if found else None
+
+
 def report(section: Section) -> dict | None:
-    """The report a probe printed: its section REPORT (the last one), a JSON object."""
-    found = split(section.lines).get(REPORT)
-    try:
-        value = json.loads(found.text) if found else None
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+    """The report a probe printed: its section REPORT."""
+    return json_section(section, REPORT)
 
 
 def patch_report(section: Section) -> dict | None:
-    """The patch check's report: the JSON object on its last line."""
-    lines = nonblank(section)
-    return parse_json_object(lines[-1]) if lines else None
+    """The patch check's report: its section patchlib.RESULT (files/scripts/patch-check.sh)."""
+    return json_section(section, patchlib.RESULT)
 
 
 def sample_results(section: Section) -> list[str]:

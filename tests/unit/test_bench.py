@@ -22,6 +22,7 @@ from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
 
 from facts.batch import FactRequest
+from facts.framing import split
 from operations import service, speculation
 from sandbox.standins import fake_sglang_server as standin
 from servestack import bench, reads, status
@@ -374,7 +375,7 @@ def test_the_client_runs_as_the_host_runs_it_and_fails_with_a_reason(local_serve
     command = speculation.client_command(sys.executable, params(server.url, runs=1, warmup=0, max_new_tokens=4))
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["output_tok_s"]["mean"] > 0
+    assert json.loads(split(proc.stdout.splitlines())[speculation.RESULT].text)["output_tok_s"]["mean"] > 0
     server.stop()
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout == ""

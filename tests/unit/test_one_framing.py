@@ -2,9 +2,13 @@
 controller to read comes in facts/framing.py sections, and only facts/framing.py reads the markers.
 
 The producers folded into it: the verify probes' report (files/scripts/verify-python.py,
-verify-http.py, verify-http.sh), the venv tool's result (files/scripts/ml_env.py) and the lock's
-lines (files/scripts/lock.sh, tested in test_core_scripts.py). Each is run here and read with
-`split`; the controller's modules are searched for the readers they replaced.
+verify-http.py, verify-http.sh), the venv tool's result (files/scripts/ml_env.py), the lock's
+lines (files/scripts/lock.sh, tested in test_core_scripts.py), the benchmark client's measurement
+(files/scripts/bench-client.py, against the stand-in server here), the patch check's answer
+(files/scripts/patch-check.sh and servestack/patchlib.py), stage-weights.py's plan and the pre-start
+check's result (files/scripts/sglang-prestart.py). Each is run here and read with `split`; the
+controller's modules (and the pre-start check's tests, its only reader) are searched for the readers
+they replaced.
 """
 
 from __future__ import annotations
@@ -14,19 +18,29 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from facts.framing import BEGIN, split
+from facts.framing import BEGIN, Section, split
+from facts.patches import remote_command
 from facts.venv import RESULT, tool_result
 from facts.verify import REPORT
+from facts.weights import PLAN, WeightsPlan
+from operations import speculation
+from sandbox.standins import fake_sglang_server as standin
+from servestack import patchlib
+from servestack.checks.parse import patch_report
+from servestack.patchsets import PATCH_ROOT
 from servestack.releases import TOOL, encode
-from servestack.scripts import SCRIPTS, script_text
+from servestack.scripts import SCRIPTS, python_script_command, script_text
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTROLLER = sorted([*ROOT.glob("facts/*.py"), *ROOT.glob("operations/*.py"), *ROOT.glob("servestack/**/*.py"),
-                     ROOT / "deploy.py", ROOT / "rollback.py", ROOT / "config.py"])
+# servestack/patchlib.py runs on the host too (patch-check.sh sends it): it prints a section with a `section` of its own
+HOST_TOOLS = [ROOT / "servestack" / "patchlib.py"]
+CONTROLLER = sorted({*ROOT.glob("facts/*.py"), *ROOT.glob("operations/*.py"), *ROOT.glob("servestack/**/*.py"),
+                     ROOT / "deploy.py", ROOT / "rollback.py", ROOT / "config.py"} - set(HOST_TOOLS))
 # What the readers of the framings folded into sections looked like, and where they were (None: anywhere).
 FOLDED_READERS = {
     "the verify probes' report line mark": (None, re.compile(r"servestack-verify|\bMARK\b")),
@@ -34,6 +48,13 @@ FOLDED_READERS = {
                                        re.compile(r"json\.loads\(stdout\[-1\]\)|json\.loads\(text\)")),
     "lock.sh's `KEY value` lines": (None, re.compile(r'startswith\("(held|stale|activity|lock|lock_alive) "\)|'
                                                      r'key == "lock')),
+    "the benchmark client's JSON line": (("operations/speculation.py",), re.compile(r'startswith\("\{"\)')),
+    "the patch check's JSON last line": (("servestack/checks/parse.py", "facts/patches.py"),
+                                         re.compile(r'parse_json_object\(lines\[-1\]\)|output\[0\] == SUMS_HOLD|'
+                                                    r'json\.loads\("\\n"\.join\(output\)\)')),
+    "stage-weights.py's plan JSON last line": (("facts/weights.py",), re.compile(r"json\.loads\(output\[-1\]\)")),
+    "the pre-start check's JSON last line": (("tests/unit/test_prestart.py",),
+                                             re.compile(r"json\.loads\(out\.stdout\.splitlines\(\)\[-1\]\)")),
 }
 
 
@@ -85,3 +106,57 @@ def test_the_venv_tool_prints_its_result_as_a_section(tmp_path):
     assert run.returncode == 0 and list(split(run.stdout.splitlines())) == [RESULT]
     assert tool_result(run.stdout.splitlines()) == {"backups": []}
     assert (SCRIPTS / "ml_env.py").read_text().count("@@servestack") == 2   # its `section`, nowhere else
+
+
+def test_the_host_tools_among_the_controllers_modules_print_sections_only_in_their_section():
+    assert [path.read_text().count("@@servestack") for path in HOST_TOOLS] == [2] * len(HOST_TOOLS)
+
+
+def test_the_benchmark_client_prints_its_measurement_as_a_section():
+    argv = ["--model-path", "m", "--host", "127.0.0.1", "--port", "0"]
+    server = standin.FakeServer(standin.parse(argv), "ok", 0, argv, standin.Throughput.parse("win,jitter=0"))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    params = {"url": f"http://127.0.0.1:{server.server_address[1]}", "prompt": "p", "max_new_tokens": 4, "runs": 1,
+              "warmup": 0, "concurrency": [1], "request_timeout_s": 30}
+    try:
+        run = subprocess.run(["bash", "-c", speculation.client_command(sys.executable, params)],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+        server.server_close()
+    sections = split(run.stdout.splitlines())
+    assert run.returncode == 0 and list(sections) == [speculation.RESULT], run.stderr
+    assert json.loads(sections[speculation.RESULT].text)["runs"][0]["output_tokens"] == 4
+
+
+@pytest.mark.parametrize("python", [sys.executable, "/nonexistent/bin/python"])
+def test_the_patch_check_prints_its_answer_as_a_section(python):
+    """Here the engine runs in a python without sglang; without a python patch-check.sh answers itself."""
+    run = subprocess.run(["bash", "-c", remote_command(python, "check", "sglang", None, PATCH_ROOT)],
+                         capture_output=True, text=True, timeout=120)
+    lines = tuple(run.stdout.splitlines())
+    assert run.returncode == 0 and list(split(lines)) == [patchlib.RESULT], run.stderr
+    found = patch_report(Section(0, lines))
+    assert found is not None and (found["python"], found["installed"]) == (python, False)
+
+
+def test_stage_weights_prints_its_plan_as_a_section(tmp_path):
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    params = json.dumps({"endpoint": endpoint, "models_dir": str(tmp_path),
+                         "models": [{"repo": "org/name", "revision": "0" * 40, "dir": str(tmp_path / "m"),
+                                     "record": str(tmp_path / "m.verified.json"), "prestaged": False}]})
+    run = subprocess.run(["bash", "-c", WeightsPlan().command(sys.executable, params)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and list(split(run.stdout.splitlines())) == [PLAN], run.stderr
+    plan = WeightsPlan().process(run.stdout.splitlines())
+    assert plan["free_bytes"] > 0 and plan["models"][0]["problem"].startswith(f"cannot read org/name's file list from "
+                                                                            f"{endpoint}")
+
+
+def test_the_prestart_check_prints_its_result_as_a_section_and_its_refusal_on_stderr():
+    params = json.dumps({"release": "r-0123456789ab", "profile": "p", "argv": [], "env": {}})
+    run = subprocess.run(["bash", "-c", python_script_command(sys.executable, "sglang-prestart.py", params)],
+                         capture_output=True, text=True, timeout=120)
+    result = json.loads(split(run.stdout.splitlines())["result"].text)   # its section `result`
+    assert run.returncode == 1 and result["refused"] == "ModuleNotFoundError: No module named 'sglang'"
+    assert run.stderr.startswith("servestack: SGLang refuses release r-0123456789ab (profile p): ")

@@ -32,6 +32,7 @@ from pyinfra.api.operation import add_op
 from pyinfra.api.operations import run_ops
 from pyinfra.connectors.util import make_unix_command
 
+from facts.framing import Section, printed, split
 from facts.patches import SCRIPT, SUMS_HOLD, PatchStates, engine_source, remote_command, set_digests
 from operations.patches import patches as patches_deploy
 from operations.patches import sglang_patches
@@ -125,6 +126,11 @@ def make_env(tmp_path, pristine):
 
 def sh(command: str) -> subprocess.CompletedProcess:
     return subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+
+
+def answer(stdout: str) -> dict:
+    """What the patch engine printed: its section patchlib.RESULT."""
+    return json.loads(split(stdout.splitlines())[patchlib.RESULT].text)
 
 
 def fact_output(env: Env) -> dict:
@@ -348,7 +354,7 @@ def test_fact_command_survives_pyinfra_shell_wrapping(make_env):
     wrapped = make_unix_command(command, _shell_executable="sh").get_raw_value()  # as sent over SSH
     result = subprocess.run(["bash", "-c", wrapped], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert [p["state"] for p in json.loads(result.stdout)["patches"]] == ["applicable", "applicable"]
+    assert [p["state"] for p in answer(result.stdout)["patches"]] == ["applicable", "applicable"]
 
 
 def test_remote_command_stays_small():
@@ -513,7 +519,7 @@ def test_applying_leaves_sums_that_answer_the_check_without_python(make_env):
 
 def checked_by_python(env: Env) -> dict:
     command = remote_command(env.python, "check", "sglang", str(env.record), PATCH_ROOT, quick=False)
-    return json.loads(sh(command).stdout)
+    return answer(sh(command).stdout)
 
 
 def test_the_sums_name_every_file_the_check_read(make_env):
@@ -628,21 +634,21 @@ def test_a_set_in_place_without_sums_gets_them_from_the_operation_never_in_a_dry
 
 
 def patch_check(tmp_path: Path, sums: str | None, python: str | None = None, headers: str = "h 1") -> dict:
-    """Run the script with bash against files under tmp_path; a stand-in python notes its start."""
+    """Run the script with bash against files under tmp_path; a stand-in python notes its start and
+    prints its input, the engine's section."""
     if python is None:
         python = str(tmp_path / "python")
         Path(python).write_text(f"#!/bin/sh\necho started >> {tmp_path}/started\ncat\n")
         os.chmod(python, 0o755)
     record = tmp_path / "record.json"
     env = {"PYTHON": python, "ABSENT": '{"absent": true}', "RECORD": str(record),
-           "SUMS": str(tmp_path / "record.json.sha256") if sums is not None else "", "HEADERS": headers,
-           "HOLD": SUMS_HOLD}
+           "SUMS": str(tmp_path / "record.json.sha256") if sums is not None else "", "HEADERS": headers}
     if sums is not None:
         (tmp_path / "record.json.sha256").write_text(sums)
     result = subprocess.run(["bash", "-c", script_command(SCRIPT, "SETS", "REQUEST", env=env)],
-                            input='{"from": "python"}\n',
+                            input="\n".join(printed(patchlib.RESULT, '{"from": "python"}')) + "\n",
                             capture_output=True, text=True)
-    return {"rc": result.returncode, "out": result.stdout.splitlines(),
+    return {"rc": result.returncode, "out": split(result.stdout.splitlines()),
             "python": (tmp_path / "started").is_file()}
 
 
@@ -660,7 +666,7 @@ def files(tmp_path):
 def test_patch_check_answers_from_the_record_when_the_sums_hold(tmp_path, files):
     ran = patch_check(tmp_path, sums_of(*files), headers="h 0\nh 1")
     assert ran == {"rc": 0, "python": False,
-                   "out": [SUMS_HOLD, str(tmp_path / "python"), str(files[0]), '{"package": "sglang"}']}
+                   "out": {SUMS_HOLD: Section(0, (str(tmp_path / "python"), str(files[0]), '{"package": "sglang"}'))}}
 
 
 @pytest.mark.parametrize("sums", [
@@ -673,7 +679,7 @@ def test_patch_check_answers_from_the_record_when_the_sums_hold(tmp_path, files)
 ])
 def test_patch_check_runs_python_when_the_sums_do_not_hold(tmp_path, files, sums):
     ran = patch_check(tmp_path, sums(files))
-    assert ran == {"rc": 0, "python": True, "out": ['{"from": "python"}']}
+    assert ran == {"rc": 0, "python": True, "out": {patchlib.RESULT: Section(0, ('{"from": "python"}',))}}
 
 
 def test_patch_check_runs_python_when_a_file_changed_or_without_sums(tmp_path, files):
@@ -685,7 +691,7 @@ def test_patch_check_runs_python_when_a_file_changed_or_without_sums(tmp_path, f
 
 def test_patch_check_prints_absent_without_an_executable_python(tmp_path, files):
     ran = patch_check(tmp_path, sums_of(*files), python=str(tmp_path / "nowhere" / "python"))
-    assert ran == {"rc": 0, "python": False, "out": ['{"absent": true}']}
+    assert ran == {"rc": 0, "python": False, "out": {patchlib.RESULT: Section(0, ('{"absent": true}',))}}
 
 
 def test_the_installed_version_is_found_where_importlib_metadata_finds_it(make_env):

@@ -12,11 +12,13 @@ import sys
 
 import pytest
 
+from facts.framing import split
 from sandbox.standins.closure import requirements_closure
 from servestack.scripts import SCRIPTS, python_script_command
 from tests.unit.sglang_venv import sglang_python
 
 SCRIPT = SCRIPTS / "sglang-prestart.py"
+RESULT = "result"   # the section the script prints its result in (facts/framing.py)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,10 @@ def run(params: dict | None) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
+def result_of(out: subprocess.CompletedProcess) -> dict:
+    return json.loads(split(out.stdout.splitlines())[RESULT].text)
+
+
 def test_without_its_parameters_it_exits_2_with_its_usage():
     out = run(None)
     assert out.returncode == 2 and out.stderr.startswith("usage: sglang-prestart.py PARAMS_JSON")
@@ -43,7 +49,7 @@ def test_a_python_without_sglang_is_refused_naming_the_release_and_profile():
     assert out.returncode == 1
     assert out.stderr.strip() == ("servestack: SGLang refuses release r-0123456789ab (profile glm-5-mtp): "
                                   "ModuleNotFoundError: No module named 'sglang'")
-    result = json.loads(out.stdout.splitlines()[-1])
+    result = result_of(out)
     assert result == {"sglang": None, "checked": [], "not_checked": [],
                       "refused": "ModuleNotFoundError: No module named 'sglang'"}
 
@@ -120,7 +126,7 @@ def check_release(version: str, argv: list[str]) -> tuple[int, dict, str]:
     params = {"release": "r-0123456789ab", "profile": "p", "argv": argv, "env": {}}
     out = subprocess.run([str(python), "-I", "-c", SCRIPT.read_text(), json.dumps(params)], capture_output=True,
                          text=True, timeout=300)
-    return out.returncode, json.loads(out.stdout.splitlines()[-1]), out.stderr
+    return out.returncode, result_of(out), out.stderr
 
 
 def test_sglang_0_5_9_checks_kimi_with_cudnn_9_16_and_says_what_needs_a_gpu(tmp_path):

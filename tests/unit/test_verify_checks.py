@@ -23,6 +23,7 @@ from facts.verify import (OUTPUT, REPORT, SAMPLE_SOURCE, CudaSample, HostReport,
                           reporting, reported)
 from operations.toolkit import kept_paths
 from sandbox.standins.toolkit import nvcc_version_text
+from servestack import patchlib
 from servestack.checks.catalogue import CHECKS, CHECKS_BY_NAME, groups_for
 from servestack.checks.outcome import FAILED, PASSED, SKIPPED, Outcome
 from servestack.checks.parse import patch_record_for, report
@@ -502,7 +503,7 @@ def patch_read(record: str = "current", state: str = "applied") -> Readings:
     found = {"installed": True, "version": "0.5.9", "patch_set": "0.5.9", "record": record,
              "record_path": "/opt/servestack/releases/r-1/patches.json",
              "patches": [{"name": "0001-sm120-torch-symm-mem", "state": state}]}
-    return Readings("h200", patches=Section(0, (json.dumps(found),)))
+    return Readings("h200", patches=Section(0, printed(patchlib.RESULT, json.dumps(found))))
 
 
 def test_patches_must_be_applied_and_match_their_record(h200):
@@ -516,7 +517,8 @@ def test_patches_must_be_applied_and_match_their_record(h200):
 def test_an_sglang_without_a_patch_set_is_a_skip_not_a_pass(h200):
     """GLM-5's stack (sglang 0.5.14) has no servestack patch set: nothing is checked, so nothing passes."""
     found = {"installed": True, "version": "0.5.14", "patch_set": None, "record": None, "patches": []}
-    result = outcome("patches_applied", h200.settings(), Readings("h200", patches=Section(0, (json.dumps(found),))))
+    readings = Readings("h200", patches=Section(0, printed(patchlib.RESULT, json.dumps(found))))
+    result = outcome("patches_applied", h200.settings(), readings)
     assert result.status == SKIPPED
     assert result.detail == "sglang 0.5.14 on h200 has no servestack patch set: nothing to check"
 

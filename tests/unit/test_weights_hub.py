@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from facts.weights import WeightsPlan
 from sandbox.artifacts import ArtifactServer, Fault
 from sandbox.standins import hub
 from servestack.scripts import SCRIPTS
@@ -50,6 +51,11 @@ def stage(python, mode: str, text: str, env: dict | None = None) -> subprocess.C
     flags = ["-I", "-S"] if mode == "plan" else ["-I"]
     return subprocess.run([str(python), *flags, "-c", SCRIPT, mode, text], capture_output=True, text=True,
                           timeout=300, env=env)
+
+
+def planned(text: str) -> dict:
+    """stage-weights.py `plan` run with the host's python, its answer read as facts/weights.py reads it."""
+    return WeightsPlan().process(stage(sys.executable, "plan", text).stdout.splitlines())
 
 
 def requests_for(server, repo: str, name: str) -> list[dict]:
@@ -109,14 +115,14 @@ def test_each_standin_repository_has_a_second_commit_with_other_bytes_and_main_n
 # --- stage-weights.py with the real clients ---------------------------------------------------------------
 
 def test_plan_lists_what_is_missing_and_the_hubs_refusals(server, tmp_path):
-    plan = json.loads(stage(sys.executable, "plan", params(server, tmp_path, GLM)).stdout)
+    plan = planned(params(server, tmp_path, GLM))
     entry = plan["models"][0]
     assert entry["problem"] is None and entry["files"] == 4 and entry["missing_bytes"] == entry["bytes"] > 13 * 10**6
     assert plan["free_bytes"] > 0
-    unknown = json.loads(stage(sys.executable, "plan", params(server, tmp_path, GLM, "0" * 40)).stdout)
+    unknown = planned(params(server, tmp_path, GLM, "0" * 40))
     assert unknown["models"][0]["problem"] == f"the Hub has no revision {'0' * 40} of {GLM} (404 RevisionNotFound)"
     server.httpd.hub.gated = {GLM}
-    gated = json.loads(stage(sys.executable, "plan", params(server, tmp_path, GLM)).stdout)
+    gated = planned(params(server, tmp_path, GLM))
     assert gated["models"][0]["problem"].startswith(f"the Hub will not give {GLM} without a token it accepts")
 
 
@@ -227,5 +233,5 @@ def test_a_prestaged_copy_is_checked_never_written_into_and_refused_naming_what_
     assert bad.returncode == 1
     assert f"the pre-staged copy {copy} of {GLM}@{hub.commits()[GLM][:12]} differs from the Hub's revision (it is " \
            f"left as it is): README.md (missing); {BIG} (sha256 " in bad.stderr
-    plan = json.loads(stage(sys.executable, "plan", params(server, tmp_path / "other", GLM, copy=copy)).stdout)
+    plan = planned(params(server, tmp_path / "other", GLM, copy=copy))
     assert plan["models"][0]["differs"] == {"README.md": "absent"}   # sizes only: the flipped byte needs a hash
