@@ -16,6 +16,8 @@ realwheels.py, Lab.serve_real_wheels), as tests/integration/test_real_release.py
    (rollback.py to the adopted env, the release directory removed, deploy.py; its `build_seconds`) and
    (b) with the same uv cache, plain `uv venv` + `uv pip install --require-hashes -r <the release's
    lock.txt>` into a new venv, timed on the host. The ratio of the medians is the goal's (1.2x or less).
+   Each build's release check is taken from its record (<release>/check.json: its seconds, and each
+   import's), so the ratio is also given without it: what the install alone costs against plain uv.
 
 Writes bench/results/<git short sha>[-dirty]-real-release-<UTC>.json.
 """
@@ -102,6 +104,12 @@ def drop_cached_wheels() -> None:
         shutil.rmtree(index)
 
 
+def release_check(lab: Lab, release: str) -> dict:
+    """The seconds of the release's check, and of each of its imports (its record, check.json)."""
+    checked = json.loads(sh(lab, f"cat {RELEASES}/{release}/check.json"))
+    return {"check_s": checked["seconds"], "imports_s": checked["found"]["imports"]}
+
+
 def rebuild_warm(lab: Lab, release: str) -> tuple[float, dict[str, float]]:
     """Build `release` again with the host's uv cache warm: its build_seconds, and its steps' seconds."""
     pyinfra(lab, "rollback.py")
@@ -149,7 +157,7 @@ def main() -> int:
         files = locked_files(lab, release["id"], realwheels.served_files(index))
         out["cold"] = {"deploy_s": round(time.perf_counter() - started, 1), "build_s": release["build_seconds"],
                        "bytes_sent": real_wheel_bytes(lab, served, files), "lock_bytes": sum(files.values()),
-                       "lock_files": len(files), "steps_s": build_steps(output)}
+                       "lock_files": len(files), "steps_s": build_steps(output), **release_check(lab, release["id"])}
         out["cold"]["sent_over_lock"] = round(out["cold"]["bytes_sent"] / out["cold"]["lock_bytes"], 4)
         console.print(f"cold: {out['cold']}")
         index_url = lab.real_wheels_data(lab.hosts[0], served)["index_pypi_url"]
@@ -157,15 +165,18 @@ def main() -> int:
         for number in range(options.repeat):
             before = real_wheel_bytes(lab, served, files)
             build_s, steps = rebuild_warm(lab, release["id"])
-            row: dict = {"build_s": build_s, "steps_s": steps,
-                   "plain_s": round(plain_install(lab, release["id"], index_url), 2)}
+            row: dict = {"build_s": build_s, "steps_s": steps, **release_check(lab, release["id"]),
+                         "plain_s": round(plain_install(lab, release["id"], index_url), 2)}
             row["bytes_sent"] = real_wheel_bytes(lab, served, files) - before
             console.print(f"warm round {number + 1}: {row}")
             rounds.append(row)
         build, plain = (statistics.median(row[key] for row in rounds) for key in ("build_s", "plain_s"))
+        unchecked = statistics.median(row["build_s"] - row["check_s"] for row in rounds)
         out["warm"] = {"rounds": rounds, "build_median_s": build, "plain_median_s": plain,
-                       "ratio": round(build / plain, 2)}
-        console.print(f"warm: build {build:.1f} s, plain uv pip install {plain:.1f} s: {build / plain:.2f}x")
+                       "ratio": round(build / plain, 2), "build_without_check_median_s": round(unchecked, 2),
+                       "ratio_without_check": round(unchecked / plain, 2)}
+        console.print(f"warm: build {build:.1f} s, plain uv pip install {plain:.1f} s: {build / plain:.2f}x "
+                      f"({unchecked / plain:.2f}x without the release check)")
     finally:
         lab.down()
     path = write_result(out, "real-release")

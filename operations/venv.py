@@ -45,6 +45,7 @@ from servestack.releases import (
     release_plan, releases_to_prune,
 )
 from servestack.releases import rollback_target as choose_rollback_target
+from servestack.serving import service_environment
 from servestack.settings import host_settings
 
 
@@ -191,7 +192,8 @@ def build_release(release: ReleasePlan):
                      uv=uv_binary(settings), uv_version=uv["version"],
                      uv_index_url=settings.uv_index_url, cache_dir=uv_cache_dir(settings),
                      python=state["python"]["executable"], fixed=fixed and fixed["packages"],
-                     fixed_path=str(fixed_path))
+                     fixed_path=str(fixed_path),
+                     unit_env=dict(service_environment(settings, release, None, writable=release.check_scratch)))
     hostrun.plan(host, f"Build release {release.id} in {release.dir}; " + (
         f"its wheels must have the hashes fixed in {fixed_path}" if fixed else
         f"its lock fixes the stack's wheel hashes in {fixed_path} (none are fixed yet)"))

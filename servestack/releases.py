@@ -8,6 +8,9 @@ A release is one venv built beside the others under `venv_releases_dir`:
     <releases_dir>/<id>/overrides.txt      the one overrides set, passed to every uv step
     <releases_dir>/<id>/lock.txt           `uv pip compile --generate-hashes` output: the exact set
     <releases_dir>/<id>/release.json       id, status, created, python, packages, lock sha256, inputs
+    <releases_dir>/<id>/check.json         the release check's result: what it expected, with which
+                                           environment, what it found, every problem
+    <releases_dir>/<id>/check-scratch/     HOME and caches of the check's imports (`check_scratch`)
 
 The id is `r-` + 12 hex digits of the sha256 of the release's *inputs* (the stack's name, every pin
 and its source, the upload-time bound, the default index, uv's version, the host's Python
@@ -67,6 +70,12 @@ class Release:
     @property
     def python(self) -> str:
         return f"{self.venv}/bin/python"
+
+    @property
+    def check_scratch(self) -> str:
+        """Where the release check's imports write (its HOME and caches: servestack/serving.py
+        `service_environment` with `writable`), never the service's own directories."""
+        return f"{self.dir}/check-scratch"
 
 
 @dataclass(frozen=True)

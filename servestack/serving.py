@@ -72,10 +72,15 @@ def launch_arguments(settings: Settings, speculation: bool = True, adaptive_conf
     return args + list(settings.service_extra_args)
 
 
-def service_environment(settings: Settings, rel: Release, patchset: str | None) -> list[tuple[str, str]]:
-    """The unit's environment: the manifest's toolkit first, per-toolkit/release caches, then host data."""
+def service_environment(settings: Settings, rel: Release, patchset: str | None,
+                        writable: str | None = None) -> list[tuple[str, str]]:
+    """The unit's environment: the manifest's toolkit first, per-toolkit/release caches, then host data.
+    With `writable`, its caches and HOME lie under that directory instead: the release check imports as the
+    server will, but as root and before the service user's directories exist, so what its imports write
+    (flashinfer 0.6.12 opens <FLASHINFER_WORKSPACE_BASE>/.cache/flashinfer/<version>/flashinfer_jit.log) must
+    not land in them."""
     cuda = settings.cuda_install_path
-    cache = release_cache_dir(settings, rel.id)
+    cache = writable or release_cache_dir(settings, rel.id)
     pinned = [
         ("CUDA_HOME", cuda),
         ("CUDA_PATH", cuda),
@@ -89,7 +94,7 @@ def service_environment(settings: Settings, rel: Release, patchset: str | None) 
         ("TRITON_CACHE_DIR", f"{cache}/triton"),
         ("SGLANG_DG_CACHE_DIR", f"{cache}/deep_gemm"),
         ("TORCHINDUCTOR_CACHE_DIR", f"{cache}/inductor"),
-        ("HOME", service_home_dir(settings)),
+        ("HOME", f"{writable}/home" if writable else service_home_dir(settings)),
         ("SERVESTACK_RELEASE", rel.id),
         ("SERVESTACK_PATCHSET", patchset or "none"),
     ]

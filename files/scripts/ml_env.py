@@ -32,6 +32,7 @@ import re  # free once json is imported
 import sys
 
 RECORD = "release.json"
+CHECK_RECORD = "check.json"  # the release check's result (files/scripts/check_release.py)
 HISTORY = "releases.json"
 BACKUP_NAME = re.compile(r"^\d{8}T\d{6}Z(-\d+)?\.json$")
 RELEASE_NAME = re.compile(r"^(r-[0-9a-f]{12}|adopted-\d{8}T\d{6}Z)$")
@@ -387,18 +388,25 @@ def uv_environment(params):
 
 
 def check_release(python, params, log):
-    """Run the release's checks inside its own python; raise Failure listing every problem."""
+    """Run the release's checks inside its own python, with the environment the service's unit gives it
+    (params "unit_env", servestack/serving.py `service_environment`: flashinfer loads CUDA_LIB_PATH/libcudart.so.12
+    at import where it is there); raise Failure listing every problem. Their record stays in the release
+    directory (CHECK_RECORD)."""
     import subprocess
-    check = os.path.join(params["release_dir"], "check.py")
+    check, record = (os.path.join(params["release_dir"], name) for name in ("check.py", CHECK_RECORD))
     with open(check, "w") as handle:
         handle.write(CHECK_SCRIPT)
-    result = subprocess.run([python, check, json.dumps(params["expect"])], capture_output=True, text=True)
-    log.write("$ %s %s\n%s%s" % (python, check, result.stdout, result.stderr))
-    if result.returncode != 0:
-        problems = [line[len("PROBLEM "):] for line in result.stdout.splitlines() if line.startswith("PROBLEM ")]
-        if not problems:
-            problems = (result.stderr.strip() or "exit %d" % result.returncode).splitlines()[-1:]
-        raise Failure("checks failed: " + "; ".join(problems))
+    command = [python, check, json.dumps(params["expect"]), record]
+    log.write("$ %s %s %s\n" % (python, check, record))
+    log.flush()
+    result = subprocess.run(command, stdout=log, stderr=subprocess.PIPE, text=True, env=params["unit_env"])
+    log.write(result.stderr)
+    checked = read_json(record)
+    if checked is None or result.returncode not in (0, 1):  # it died (before or after writing its result)
+        raise Failure("checks failed: " + (result.stderr.strip() or exit_text(result.returncode)).splitlines()[-1])
+    if checked["problems"]:
+        raise Failure("checks failed: " + "; ".join(checked["problems"]))
+    log.write("# checks passed: %s\n" % record)
 
 
 def install_uv(params, log):

@@ -121,8 +121,16 @@ def test_the_releases_own_checks_pass_on_real_torch_and_sglang(real, first):
     assert said == "2.11.0+cu130 13.0 False"
     assert "STAND-IN" not in real.python("import torch; print(torch.__doc__ or '')")
     assert real.python("import sglang; print(sglang.__version__)") == "0.5.14"
-    build_log = real.sh(f"cat {RELEASES}/{real.active()}/build.log")
-    assert build_log.rstrip().endswith("OK"), build_log[-2000:]
+    # the check's own record: what it found, importing with the environment the unit gives the server
+    checked = json.loads(real.sh(f"cat {RELEASES}/{real.active()}/check.json"))
+    assert checked["ok"] and checked["problems"] == [], checked["problems"]
+    assert checked["found"]["torch"] == {"version": "2.11.0+cu130", "cuda": "13.0"}
+    assert set(checked["found"]["imports"]) == {"torch", "flashinfer", "sglang"}
+    unit = dict(line.removeprefix("Environment=").split("=", 1) for line in
+                real.sh(f"grep -h '^Environment=' {RELEASES}/{real.active()}/*.service").splitlines())
+    for name in ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "CUDA_LIB_PATH", "SERVESTACK_RELEASE"):
+        assert checked["environment"][name] == unit[name], name
+    assert checked["environment"]["HOME"] == f"{RELEASES}/{real.active()}/check-scratch/home" != unit["HOME"]
 
 
 def test_sglangs_own_server_args_validation_runs_until_it_needs_a_gpu(real, first):

@@ -38,6 +38,7 @@ from servestack.releases import CHECK, TOOL, encode, release_at, release_plan
 sys.path.insert(0, str(Path(__file__).parent))
 import venv_index  # noqa: E402
 
+from servestack.serving import service_environment  # noqa: E402
 from servestack.settings import host_settings, settings_from_data  # noqa: E402
 from tests.unit.fake_host import fake_state, read_keys, run_here  # noqa: E402
 from tests.unit.flock_holder import flock_held  # noqa: E402
@@ -447,7 +448,8 @@ def build_params(host, index, tmp_path, **data):
     return plan, {**host, "id": plan.id, "release_dir": plan.dir, "inputs": plan.inputs, "files": plan.files,
                   "steps": plan.steps, "bound": plan.bound, "expect": plan.expect,
                   "uv_version": load_manifest().uv["version"], "uv_index_url": "http://127.0.0.1:9/none",
-                  "cache_dir": str(tmp_path / "uv-cache"), "python": HOST_PYTHON}
+                  "cache_dir": str(tmp_path / "uv-cache"), "python": HOST_PYTHON,
+                  "unit_env": dict(service_environment(settings, plan, None, writable=plan.check_scratch))}
 
 
 @needs_uv
@@ -549,15 +551,45 @@ def test_a_failed_check_keeps_the_release_out(host, tmp_path):
     assert not os.path.lexists(host["venv_path"])
 
 
-def test_check_script_reports_every_problem(tmp_path):
+def test_check_script_records_every_problem(tmp_path):
     expect = {"packages": {"pytest": "0.0.1", "no-such-package-xyz": "1"}, "torch_cuda": "13.0",
               "imports": ["no_such_module_xyz"]}
-    result = subprocess.run([sys.executable, str(CHECK), json.dumps(expect)], capture_output=True, text=True)
-    assert result.returncode == 1
-    problems = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM ")]
+    record = tmp_path / "check.json"
+    result = subprocess.run([sys.executable, str(CHECK), json.dumps(expect), str(record)], capture_output=True,
+                            text=True)
+    assert result.returncode == 1 and result.stdout == ""
+    checked = json.loads(record.read_text())
+    problems = checked["problems"]
+    assert not checked["ok"] and checked["expected"] == expect
     assert any("pytest is " in p and "expected 0.0.1" in p for p in problems)
     assert any("no-such-package-xyz is not installed" in p for p in problems)
     assert any("import no_such_module_xyz failed" in p for p in problems)
+
+
+def test_the_release_check_imports_with_the_units_environment_not_the_tools(tmp_path, monkeypatch):
+    """flashinfer loads CUDA_LIB_PATH/libcudart.so.12 at import where it is there (0.6.12 flashinfer/jit/__init__.py
+    L102-106): the check must import with the unit's CUDA_LIB_PATH, CUDA_HOME, PATH..., not the SSH session's."""
+    settings = settings_from_data("local", {})
+    plan = dataclasses.replace(release_plan(settings, "x86_64", platform.python_version()), dir=str(tmp_path))
+    unit = dict(service_environment(settings, plan, None, writable=plan.check_scratch))
+    site = tmp_path / "site"   # a module that records, at import, the environment it was imported with
+    site.mkdir()
+    (site / "sees_env.py").write_text(
+        "import json, os\njson.dump(dict(os.environ), open(os.path.join(os.environ['SEEN_AT'], 'seen.json'), 'w'))\n")
+    monkeypatch.setenv("CUDA_LIB_PATH", "/usr/local/cuda/lib64")   # the session's: the unit's wins
+    monkeypatch.setenv("SESSION_ONLY", "1")
+    params = {"release_dir": str(tmp_path), "unit_env": {**unit, "PYTHONPATH": str(site), "SEEN_AT": str(tmp_path)},
+              "expect": {"packages": {}, "torch_cuda": "13.0", "imports": ["sees_env"]}}
+    with open(tmp_path / "build.log", "w") as log, pytest.raises(ml_env.Failure) as failure:
+        ml_env.check_release(sys.executable, params, log)   # no torch here: that check fails, the import runs
+    assert str(failure.value).startswith("checks failed: import torch failed: ")
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    for name in ("CUDA_HOME", "CUDA_PATH", "PATH", "LD_LIBRARY_PATH", "CUDA_LIB_PATH", "SERVESTACK_RELEASE"):
+        assert seen[name] == unit[name]
+    assert seen["CUDA_LIB_PATH"] == f"{settings.cuda_install_path}/lib64" and "SESSION_ONLY" not in seen
+    # what its imports write lands in the release's scratch, never the service's caches or HOME
+    assert seen["HOME"] == f"{tmp_path}/check-scratch/home" and seen["TRITON_CACHE_DIR"].startswith(str(tmp_path))
+    assert json.loads((tmp_path / ml_env.CHECK_RECORD).read_text())["environment"] == seen
 
 
 def test_record_adds_a_switch_made_elsewhere_to_the_history(host):
