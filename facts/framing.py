@@ -11,10 +11,9 @@ The empty line keeps output without a final newline apart from the end marker; `
 so a section's lines are what pyinfra would have read from the command alone (blank lines
 included). RC is the command's exit status. Python builds sections with `framed`; shell scripts
 in files/scripts with files/scripts/helpers.sh's `section`, and the Python tools sent to a host
-(files/scripts/ml_env.py, verify-python.py, verify-http.py, bench-client.py, stage-weights.py,
-sglang-prestart.py and servestack/patchlib.py: standard library only, they cannot import this module)
-with a `section` function of their own that prints `printed`'s lines; one parser, `split`, serves
-them all, and no other module reads the markers.
+(standard library only, they cannot import this module) with servestack/hostcode.py's `section`,
+which prints `printed`'s lines; one parser, `split`, serves them all, and no other module reads the
+markers.
 """
 
 from __future__ import annotations

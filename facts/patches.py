@@ -27,7 +27,7 @@ from pyinfra.api import FactBase
 from facts.framing import split
 from servestack import patchlib
 from servestack.patchsets import PATCH_ROOT, load_patch_sets
-from servestack.scripts import atomic_write_command, script_command
+from servestack.scripts import atomic_write_command, script_command, script_text
 
 SCRIPT = "patch-check.sh"
 SUMS_HOLD = "sums-hold"  # patch-check.sh's section when the sums hold: python, record path, the record
@@ -40,8 +40,9 @@ def _packed(text: str) -> str:
 
 
 def engine_source() -> str:
-    """The check's engine, servestack/patchlib.py, as it ships to the host."""
-    return Path(patchlib.__file__).read_text()
+    """The check's engine, servestack/patchlib.py, as it ships to the host (with the shared host code it
+    brings: a change there is a change of the engine)."""
+    return script_text(Path(patchlib.__file__))
 
 
 def set_digests(sets: dict, engine: str) -> dict[str, str]:

@@ -29,6 +29,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from servestack.hostcode import move_into_place, new_file_beside, remove_if_there, section
+
 APPLIED = "applied"
 APPLICABLE = "applicable"
 UPSTREAM = "upstream"
@@ -324,8 +326,8 @@ def _patch_conflict(sections: list, files: list) -> dict:
         if f.conflict:
             return f.conflict
     patched = next(f.path for f in files if f.state != APPLICABLE)
-    section, f = next((s, f) for s, f in zip(sections, files) if f.state == APPLICABLE)
-    return _conflict(f.path, section.hunks[0], f"partially applied: {patched} is already patched, this file is not")
+    file_diff, f = next((s, f) for s, f in zip(sections, files) if f.state == APPLICABLE)
+    return _conflict(f.path, file_diff.hunks[0], f"partially applied: {patched} is already patched, this file is not")
 
 
 def evaluate_set(site_packages: Path, patches: list, checks: dict | None = None) -> list:
@@ -335,15 +337,15 @@ def evaluate_set(site_packages: Path, patches: list, checks: dict | None = None)
     for name, patch_text in patches:
         sections = parse_patch(patch_text)
         files = []
-        for section in sections:
-            path = section.path
+        for file_diff in sections:
+            path = file_diff.path
             if path not in texts:
                 target = site_packages / path
                 if not target.is_file():
                     files.append(FileResult(path, CONFLICT, conflict=_conflict(path, None, "file not found")))
                     continue
                 texts[path] = target.read_bytes().decode()
-            files.append(evaluate_file(path, texts[path], section))
+            files.append(evaluate_file(path, texts[path], file_diff))
         result = PatchResult(name, hashlib.sha256(patch_text.encode()).hexdigest(), _patch_state(files), files)
         if result.state == CONFLICT:
             result.conflict = _patch_conflict(sections, files)
@@ -484,17 +486,18 @@ def in_place(results: list, record: str) -> bool:
 
 def replace_all(writes: dict) -> None:
     """The engine's one atomic write: every file gets its bytes, or all of them stay as they were.
-    Each is written to a temp file beside it first, then renamed over it (rename(2): readers see
-    the old file or the new one); a failure puts back the files already replaced."""
+    Each is written to a new file beside it first (with its mode and owner), then renamed over it
+    (servestack/hostcode.py: readers see the old file or the new one); a failure puts back the files
+    already replaced."""
     originals = {path: path.read_bytes() if path.exists() else None for path in writes}
     temps = {}
     try:
         for path, data in writes.items():
-            temps[path] = _temp_copy(path, data)
+            temps[path] = new_file_beside(str(path), data)
         done = []
         try:
             for path, temp in temps.items():
-                os.replace(temp, path)
+                move_into_place(temp, str(path))
                 done.append(path)
         except BaseException:
             for path in done:
@@ -502,31 +505,7 @@ def replace_all(writes: dict) -> None:
             raise
     finally:
         for temp in temps.values():
-            if os.path.exists(temp):
-                os.unlink(temp)
-
-
-def _temp_copy(path: Path, data: bytes) -> str:
-    """A temp file next to path holding data, with path's mode (and owner, as root)."""
-    import tempfile
-
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".servestack", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if path.exists():
-            st = path.stat()
-            os.chmod(temp, st.st_mode & 0o7777)
-            if os.geteuid() == 0:  # a root deploy must not hand the venv's files to root
-                os.chown(temp, st.st_uid, st.st_gid)
-        else:
-            os.chmod(temp, 0o644)
-    except BaseException:
-        os.unlink(temp)
-        raise
-    return temp
+            remove_if_there(temp)
 
 
 def _restore(path: Path, original: bytes | None) -> None:
@@ -599,11 +578,6 @@ def _dist_info(package: str) -> tuple[str, Path, Path] | None:
                 if version:
                     return version, Path(entry or "."), metadata
     return None
-
-
-def section(name: str, text: str) -> None:
-    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
-    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
 
 
 def remote_main(payload: dict) -> int:

@@ -19,7 +19,11 @@ files' text when it is sent (`script_text`):
   files/scripts, quoted; a shell script runs a Python tool with `"$python" -I -c "$NAME" ARGS`;
 - in a Python tool, `NAME = text_beside("PATH")` (a line alone; the tool defines `text_beside`, which
   reads PATH beside the tool where it lies): NAME set to the text of PATH as a string literal (the
-  venv tool's release check, files/scripts/check_release.py, which it runs in the release's python).
+  venv tool's release check, files/scripts/check_release.py, which it runs in the release's python);
+- in a Python tool, `from servestack.hostcode import NAME, ...` (HOSTCODE_LINE, a line alone): the code
+  the Python tools share, servestack/hostcode.py (their framing and atomic writes), in its place. Where it
+  lies, such a tool runs in a python that imports servestack (the tests'); a shell script that reads it
+  (the gate reads ml_env.py) is run as it is sent, as the tests run every script.
 
 The one exception is the service's secrets file (operations/service.py `secrets_file`): its
 content travels by pyinfra's SFTP upload, because a secret must never sit in a command line, where
@@ -28,6 +32,7 @@ the host's process list and logs show it.
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import shlex
@@ -40,6 +45,8 @@ HELPERS = "helpers.sh"
 HELPERS_LINE = 'source "${BASH_SOURCE[0]%/*}/helpers.sh"'
 TEXT_LINE = re.compile(r'^(?P<name>[A-Za-z_][A-Za-z0-9_]*)=\$\(<"\$\{BASH_SOURCE\[0\]%/\*\}/(?P<path>[^"]+)"\)$')
 PYTHON_TEXT_LINE = re.compile(r'^(?P<name>[A-Za-z_][A-Za-z0-9_]*) = text_beside\("(?P<path>[^"]+)"\)$')
+HOSTCODE = Path(__file__).resolve().parent / "hostcode.py"
+HOSTCODE_LINE = re.compile(r"^from servestack\.hostcode import (?P<names>\w+(, \w+)*)$")
 
 
 @functools.cache
@@ -62,6 +69,9 @@ def _sent_line(line: str) -> str | None:
     read = PYTHON_TEXT_LINE.match(line)
     if read is not None:
         return f"{read['name']} = {script_text(read['path'])!r}\n"
+    include = HOSTCODE_LINE.match(line)
+    if include is not None:
+        return hostcode_code(tuple(include["names"].split(", ")))
     return None
 
 
@@ -71,6 +81,24 @@ def helpers_code() -> str:
     script that uses them carries this text in every command)."""
     lines = (SCRIPTS / HELPERS).read_text().splitlines(keepends=True)
     return "".join(line for line in lines if line.strip() and not line.lstrip().startswith("#"))
+
+
+def hostcode_code(names: tuple[str, ...]) -> str:
+    """servestack/hostcode.py without its module docstring, for a tool that imports `names` from it
+    (a name it does not define is an error here, not a NameError on a host)."""
+    tree = ast.parse(_hostcode_text())
+    defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    missing = [name for name in names if name not in defined]
+    if missing:
+        raise ValueError(f"servestack/hostcode.py defines no {', '.join(missing)}")
+    docstring = tree.body[0]
+    lines = _hostcode_text().splitlines(keepends=True)
+    return "".join(lines[docstring.end_lineno or 0:]).strip("\n") + "\n"
+
+
+@functools.cache
+def _hostcode_text() -> str:
+    return HOSTCODE.read_text()
 
 
 def _assignments(env: dict | None) -> list[str]:

@@ -30,6 +30,7 @@ import threading
 import time
 import urllib.parse
 import http.client
+from servestack.hostcode import section
 
 
 class BenchError(Exception):
@@ -206,11 +207,6 @@ def measure(params):
             "runs": runs, "output_tok_s": stats(run["output_tok_s"] for run in runs),
             "decode_tok_s": stats(run["decode_tok_s"] for run in runs),
             "ttft_s": stats(run["ttft_s"] for run in runs), "concurrency": levels}
-
-
-def section(name, text):
-    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
-    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
 
 
 def main(argv):

@@ -4,7 +4,7 @@ The control machine (operations/venv.py) sends this file over SSH as
 `python3 -I -S -c THIS_FILE <command> <params>` (params: base64 of a JSON object; facts/venv.py
 `tool_command`, servestack/scripts.py) and decides *whether* to run it from facts; this file does
 the mechanical part on the host, where renames are atomic and JSON records are written safely
-(`write_json` for files, `switch_link` for links: the only renames over a path here):
+(servestack/hostcode.py `write_atomically` and `point_link`, sent in place of the line that imports them):
 
     packages  print the active environment's packages (the ActivePackages fact; changes nothing)
     backup    snapshot the environment at venv_path into <state_dir>/backups/<UTC ts>.json, prune
@@ -30,6 +30,7 @@ import json
 import os
 import re  # free once json is imported
 import sys
+from servestack.hostcode import point_link, section_text, write_atomically
 
 RECORD = "release.json"
 CHECK_RECORD = "check.json"  # the release check's result (files/scripts/check_release.py)
@@ -78,11 +79,7 @@ def read_json(path, default=None):
 
 def write_json(path, data):
     """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
-    temporary = "%s.tmp-%d" % (path, os.getpid())
-    with open(temporary, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    os.replace(temporary, path)
+    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def canonical(name):
@@ -359,8 +356,8 @@ def write_out(text):
 
 
 def section(name, text):
-    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
-    write_out("@@servestack begin %s\n%s\n\n@@servestack end %s 0\n" % (name, text, name))
+    """`text` as the facts/framing.py section `name`, by `write_out`."""
+    write_out(section_text(name, text))
 
 
 def exit_text(returncode):
@@ -533,15 +530,6 @@ def command_build(params):
 
 # --- activate ----------------------------------------------------------------------------------
 
-def switch_link(link, target):
-    """Point `link` at `target` with one rename(2): readers see the old target or the new one."""
-    temporary = "%s.servestack-%d" % (link, os.getpid())
-    if os.path.lexists(temporary):
-        os.remove(temporary)
-    os.symlink(target, temporary)
-    os.replace(temporary, link)
-
-
 def adopt(venv_path, releases_dir, kind, name):
     """Move a hand-made venv (or take over a foreign link) as release `name`, keeping it usable.
 
@@ -555,10 +543,10 @@ def adopt(venv_path, releases_dir, kind, name):
     venv = os.path.join(directory, "venv")
     if kind == "venv":
         shutil.move(venv_path, venv)  # a rename on one filesystem; a copy keeping links otherwise
-        switch_link(venv_path, venv)
+        point_link(venv_path, venv)
     else:
         os.symlink(os.path.realpath(venv_path), venv)
-        switch_link(venv_path, venv)
+        point_link(venv_path, venv)
     write_json(os.path.join(directory, RECORD), {
         "id": name, "created": utc_stamp(), "status": "ok", "adopted": True, "adopted_from": venv_path,
         "python": listed.get("python"), "packages": listed.get("packages"), "lock_sha256": None})
@@ -593,7 +581,7 @@ def command_activate(params):
     if current == release:
         return {"switched": False, "adopted": adopted}
     os.makedirs(os.path.dirname(venv_path) or "/", exist_ok=True)
-    switch_link(venv_path, target)
+    point_link(venv_path, target)
     record_activation(state_dir, release, current, params["by"])
     return {"switched": True, "previous": current, "adopted": adopted}
 

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import sys
+from servestack.hostcode import section
 
 # Errors that mean SGLang needs what this host lacks, not that it refuses the configuration: no GPU, or
 # GPUs the running server holds (exclusive compute mode, or its memory).
@@ -45,11 +46,6 @@ class Refused(Exception):
 def say(text):
     sys.stdout.write("servestack: %s\n" % text)
     sys.stdout.flush()
-
-
-def section(name, text):
-    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
-    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
 
 
 def first_line(error):

@@ -50,6 +50,7 @@ import shutil
 import sys
 import threading
 import time
+from servestack.hostcode import section
 
 SCHEMA = 1
 CHUNK = 8 * 1024 * 1024
@@ -67,11 +68,6 @@ def say(text):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-
-
-def section(name, text):
-    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
-    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
 
 
 def fail(text):

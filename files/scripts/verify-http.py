@@ -12,11 +12,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
-
-
-def section(name, text):
-    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
-    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
+from servestack.hostcode import section
 
 
 if len(sys.argv) != 3:

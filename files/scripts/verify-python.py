@@ -17,11 +17,7 @@ import json
 import os
 import sys
 import warnings
-
-
-def section(name, text):
-    """`text` as the facts/framing.py section `name` (what files/scripts/helpers.sh `section` prints)."""
-    print("@@servestack begin %s\n%s\n\n@@servestack end %s 0" % (name, text, name))
+from servestack.hostcode import section
 
 
 if len(sys.argv) != 2:

@@ -127,16 +127,17 @@ def test_a_file_a_script_reads_travels_in_the_command_in_place_of_the_read(tmp_p
                      "verify-http.sh": [("probe", "verify-http.py")]}
     for name in reads:
         assert not FILE_READ.search(script_text(name)), name
-    text = "x=1\n" + 'tool=$(<"${BASH_SOURCE[0]%/*}/verify-python.py")\n' + 'printf %s "$tool"\n'
+    # a tool that includes no shared code (check_release.py) reads the same where it lies and sent
+    text = "x=1\n" + 'tool=$(<"${BASH_SOURCE[0]%/*}/check_release.py")\n' + 'printf %s "$tool"\n'
     (tmp_path / "reads.sh").write_text(text)
-    (tmp_path / "verify-python.py").write_text((SCRIPTS / "verify-python.py").read_text())  # beside it, as here
+    (tmp_path / "check_release.py").write_text((SCRIPTS / "check_release.py").read_text())  # beside it, as here
     script_text.cache_clear()
     try:
         sent = script_text(str(tmp_path / "reads.sh"))
         here = subprocess.run([BASH, str(tmp_path / "reads.sh")], capture_output=True, text=True)
     finally:
         script_text.cache_clear()
-    probe = read_as_shell_does(SCRIPTS / "verify-python.py")
+    probe = read_as_shell_does(SCRIPTS / "check_release.py")
     assert sent == f"x=1\ntool={shlex.quote(probe)}\n" + 'printf %s "$tool"\n'
     assert subprocess.run([BASH, "-c", sent], capture_output=True, text=True).stdout == here.stdout == probe
 

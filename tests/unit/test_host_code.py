@@ -4,8 +4,8 @@ each thing"), read from the source:
 - the product (servestack/, operations/, facts/ and the entry files; not the test harness) sends code
   to a host only through servestack/scripts.py: no interpreter fed a heredoc or a `-c` text of its
   own, no `exec(compile(...))` of shipped source, no file's text in an environment variable;
-- host-side Python renames over a path (os.replace, os.rename) only in its tool's one write function
-  for files and one for links;
+- host-side Python renames over a path (os.replace, os.rename) only in servestack/hostcode.py's
+  `move_into_place`, under its `write_atomically`, `point_link` and patchlib's all-or-none `replace_all`;
 - the shell scripts rename into place only through helpers.sh (`move_into_place`, under
   `write_atomically`, `copy_atomically` and `point_link`); a bare `mv` elsewhere moves something
   aside (a timestamped name) or into a private staging directory, never over the path readers use.
@@ -33,9 +33,10 @@ OTHER_WAYS = {
 # A patch set's checks.py is data of the set: patchlib, on the host, runs it inside the engine.
 EXEC_OF_A_SETS_CHECKS = ("servestack/patchlib.py", "load_checks")
 
-# Host-side Python: the one function of each tool that renames over a path.
-HOST_PYTHON = sorted(SCRIPTS.glob("*.py")) + [ROOT / "servestack" / "patchlib.py"]
-RENAMES_IN = {"ml_env.py": {"write_json", "switch_link"}, "patchlib.py": {"replace_all"}}
+# Host-side Python: the one function that renames over a path, in the code the tools share.
+HOSTCODE = ROOT / "servestack" / "hostcode.py"
+HOST_PYTHON = sorted(SCRIPTS.glob("*.py")) + [ROOT / "servestack" / "patchlib.py", HOSTCODE]
+RENAMES_IN = {"hostcode.py": {"move_into_place"}}
 
 # `mv ... DEST` where DEST is a timestamped name beside the old one, or the private staging directory
 MOVE_ASIDE = re.compile(r'\bmv\b.*"([^"]*-\$(ts|stamp)|\$staged)"\s*(2>/dev/null)?\s*(;|\|\||&&|$)')
@@ -142,13 +143,13 @@ def test_the_scan_sees_each_other_way():
     assert [is_file_text(value) for value in tree.body[0].value.values] == [True, True, True]
 
 
-def test_host_side_python_renames_over_a_path_only_in_its_tools_write_function():
+def test_host_side_python_renames_over_a_path_only_in_the_shared_host_codes_move_into_place():
     found = {}
     for path in HOST_PYTHON:
         places = renames(path)
         assert {function for _, function in places} <= RENAMES_IN.get(path.name, set()), (path.name, places)
         found[path.name] = {function for _, function in places}
-    assert found["ml_env.py"] == RENAMES_IN["ml_env.py"] and found["patchlib.py"] == RENAMES_IN["patchlib.py"]
+    assert found["hostcode.py"] == RENAMES_IN["hostcode.py"]
 
 
 def test_shell_scripts_rename_into_place_only_through_the_helpers():

@@ -23,7 +23,7 @@ LAYERS = {
     # L0 the model: stdlib, packaging, tomllib and each other; no pyinfra, no host access
     0: ("servestack", "servestack.errors", "servestack.manifest", "servestack.values", "servestack.keys",
         "servestack.strict_keys", "servestack.profiles", "servestack.settings", "servestack.targets",
-        "servestack.patchlib", "servestack.patchsets", "servestack.paths", "servestack.releases",
+        "servestack.patchlib", "servestack.hostcode", "servestack.patchsets", "servestack.paths", "servestack.releases",
         "servestack.serving", "servestack.speculation_policy", "servestack.stack_hashes", "servestack.checks.outcome",
         "servestack.weights"),
     # L1 facts and host-side code: what reads a host and runs commands there, and the checks' judges

@@ -23,22 +23,24 @@ from pathlib import Path
 
 import pytest
 
-from facts.framing import BEGIN, Section, split
+from facts.framing import BEGIN, Section, printed, split
 from facts.patches import remote_command
 from facts.venv import RESULT, tool_result
 from facts.verify import REPORT
 from facts.weights import PLAN, WeightsPlan
 from operations import speculation
 from sandbox.standins import fake_sglang_server as standin
-from servestack import patchlib
+from servestack import hostcode, patchlib
 from servestack.checks.parse import patch_report
 from servestack.patchsets import PATCH_ROOT
 from servestack.releases import TOOL, encode
 from servestack.scripts import SCRIPTS, python_script_command, script_text
 
 ROOT = Path(__file__).resolve().parents[2]
-# servestack/patchlib.py runs on the host too (patch-check.sh sends it): it prints a section with a `section` of its own
-HOST_TOOLS = [ROOT / "servestack" / "patchlib.py"]
+# the Python tools sent to a host print sections with servestack/hostcode.py's `section`, which they bring when sent
+HOSTCODE = ROOT / "servestack" / "hostcode.py"
+HOST_TOOLS = [HOSTCODE]
+PYTHON_TOOLS = sorted(SCRIPTS.glob("*.py")) + [ROOT / "servestack" / "patchlib.py"]
 CONTROLLER = sorted({*ROOT.glob("facts/*.py"), *ROOT.glob("operations/*.py"), *ROOT.glob("servestack/**/*.py"),
                      ROOT / "deploy.py", ROOT / "rollback.py", ROOT / "config.py"} - set(HOST_TOOLS))
 # What the readers of the framings folded into sections looked like, and where they were (None: anywhere).
@@ -105,11 +107,14 @@ def test_the_venv_tool_prints_its_result_as_a_section(tmp_path):
     run = subprocess.run(sent, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and list(split(run.stdout.splitlines())) == [RESULT]
     assert tool_result(run.stdout.splitlines()) == {"backups": []}
-    assert (SCRIPTS / "ml_env.py").read_text().count("@@servestack") == 2   # its `section`, nowhere else
 
 
-def test_the_host_tools_among_the_controllers_modules_print_sections_only_in_their_section():
-    assert [path.read_text().count("@@servestack") for path in HOST_TOOLS] == [2] * len(HOST_TOOLS)
+def test_the_python_host_tools_print_sections_only_through_the_shared_host_code():
+    """One printer of sections in host-side Python: servestack/hostcode.py's, which each tool brings when sent."""
+    assert {path.name: path.read_text().count("@@servestack") for path in PYTHON_TOOLS} == \
+        dict.fromkeys((path.name for path in PYTHON_TOOLS), 0)
+    assert HOSTCODE.read_text().count("@@servestack") == 2
+    assert hostcode.section_text("n", "a\n\nb").splitlines() == list(printed("n", "a\n\nb"))
 
 
 def test_the_benchmark_client_prints_its_measurement_as_a_section():

@@ -14,10 +14,11 @@ import pytest
 
 from facts.framing import split
 from sandbox.standins.closure import requirements_closure
-from servestack.scripts import SCRIPTS, python_script_command
+from servestack.scripts import SCRIPTS, python_script_command, script_text
 from tests.unit.sglang_venv import sglang_python
 
 SCRIPT = SCRIPTS / "sglang-prestart.py"
+SENT = script_text("sglang-prestart.py")   # the text the host runs
 RESULT = "result"   # the section the script prints its result in (facts/framing.py)
 
 
@@ -30,7 +31,7 @@ def prestart():
 
 
 def run(params: dict | None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-I", "-c", SCRIPT.read_text()] + ([json.dumps(params)] if params is not None else [])
+    argv = [sys.executable, "-I", "-c", SENT] + ([json.dumps(params)] if params is not None else [])
     return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
@@ -83,7 +84,7 @@ def test_it_travels_in_the_command_to_the_releases_own_python():
     command = python_script_command("/opt/servestack/releases/r-0123456789ab/venv/bin/python", "sglang-prestart.py",
                                     json.dumps({"argv": ["--model-path", "a b"]}))
     assert shlex.split(command) == ["/opt/servestack/releases/r-0123456789ab/venv/bin/python", "-I", "-c",
-                                    SCRIPT.read_text(), '{"argv": ["--model-path", "a b"]}']
+                                    SENT, '{"argv": ["--model-path", "a b"]}']
 
 
 def test_the_real_wheels_a_sandbox_serves_are_what_its_roots_need_never_past_a_stand_in():
@@ -124,7 +125,7 @@ def model_dir(tmp_path, config: dict, tokenizer: dict | None = None):
 def check_release(version: str, argv: list[str]) -> tuple[int, dict, str]:
     python = sglang_python(version)
     params = {"release": "r-0123456789ab", "profile": "p", "argv": argv, "env": {}}
-    out = subprocess.run([str(python), "-I", "-c", SCRIPT.read_text(), json.dumps(params)], capture_output=True,
+    out = subprocess.run([str(python), "-I", "-c", SENT, json.dumps(params)], capture_output=True,
                          text=True, timeout=300)
     return out.returncode, result_of(out), out.stderr
 

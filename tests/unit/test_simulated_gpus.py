@@ -25,6 +25,7 @@ from sandbox.standins import Gpu, dress_gpu_host, render_nvidia_smi
 from sandbox.standins.toolkit import write_toolkit_tree
 from sandbox.standins.wheels import build_wheel, torch_wheel
 from tests.unit.h200_captures import CAPTURED_REPORT_MARK
+from servestack.scripts import script_text
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPTURES = ROOT / "tests" / "fixtures" / "h200-ubuntu2404" / "verify"
@@ -57,7 +58,7 @@ def stand_in_torch(tmp_path: Path, version: str = "2.11.0") -> Path:
 def verify_python_report(tmp_path: Path, gpu: Gpu | None, **env: str) -> dict:
     """The report of the real files/scripts/verify-python.py run against the stand-in torch."""
     path = os.environ["PATH"] if gpu is None else f"{host_bin(tmp_path, gpu)}:{os.environ['PATH']}"
-    script = (ROOT / "files" / "scripts" / "verify-python.py").read_text()
+    script = script_text("verify-python.py")   # as it is sent
     environment = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
     run = subprocess.run([sys.executable, "-c", script, json.dumps(["torch"])], capture_output=True, text=True,
                          env={**environment, "PATH": path, "PYTHONPATH": str(stand_in_torch(tmp_path)), **env},

@@ -27,7 +27,7 @@ from servestack import status
 from servestack.checks.outcome import Fail, Skip
 from servestack.checks.weights import served_weights
 from servestack.releases import release_at
-from servestack.scripts import SCRIPTS
+from servestack.scripts import script_text
 from servestack.serving import launch_arguments
 from servestack.settings import settings_from_data
 from servestack.weights import (is_current, pin_problems, pinned_models, revisions_to_prune, served_path,
@@ -306,7 +306,7 @@ def test_the_host_side_prune_keeps_what_a_unit_serves_then_and_removes_the_recor
     unit.write_text(f"[Service]\nExecStart=/r/venv/bin/python -m sglang.launch_server --model-path {kimi}/{B} "
                     "--speculative-draft-model-path /srv/draft --tp 8\n")
     params = json.dumps({"remove": [f"{kimi}/{A}", f"{kimi}/{B}"], "units": [str(unit), str(tmp_path / "absent")]})
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", (SCRIPTS / SCRIPT).read_text(), "prune", params],
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", script_text(SCRIPT), "prune", params],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert sorted(path.name for path in kimi.iterdir()) == [B, f"{B}.verified.json"]
@@ -367,7 +367,7 @@ def test_verify_passes_only_where_the_unit_serves_the_verified_copy_of_each_pinn
     # the host-side prune reads the same continued ExecStart
     (tmp_path / "sglang.service").write_text("\n".join(unit) + "\n")
     staged_dirs = [model.directory(host) for model in models]
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", (SCRIPTS / SCRIPT).read_text(), "prune",
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", script_text(SCRIPT), "prune",
                           json.dumps({"remove": staged_dirs, "units": [str(tmp_path / "sglang.service")]})],
                          capture_output=True, text=True, check=True)
     assert out.stdout.count("kept, a unit of the service serves it") == 2

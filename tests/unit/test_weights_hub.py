@@ -17,10 +17,10 @@ import pytest
 from facts.weights import WeightsPlan
 from sandbox.artifacts import ArtifactServer, Fault
 from sandbox.standins import hub
-from servestack.scripts import SCRIPTS
+from servestack.scripts import script_text
 from tests.unit.sglang_venv import sglang_python
 
-SCRIPT = (SCRIPTS / "stage-weights.py").read_text()
+SCRIPT = script_text("stage-weights.py")   # as it is sent
 KIMI, DRAFT, GLM = "nvidia/Kimi-K2.5-NVFP4", "lightseekorg/kimi-k2.5-eagle3", "festr2/GLM-5-NVFP4-MTP"
 BIG = "model-00001-of-00002.safetensors"
 # sglang 0.5.9's resolution installs huggingface_hub 0.36.2 (requests), 0.5.14's 1.21.0 (httpx)
