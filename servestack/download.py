@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from pyinfra.api.exceptions import PyinfraError
+from servestack.hostcode import move_into_place
 from servestack.hostrun import utc_stamp
 from servestack.manifest import Runfile
 from servestack.scripts import script_command
@@ -210,7 +211,7 @@ def fetch_runfile(runfile: Runfile, directory: Path | None = None, *, show_progr
             moved = reject(part, problem)
             raise DownloadError(f"downloaded {runfile.file} from {runfile.url} fails verification ({problem}): "
                                 f"moved aside to {moved}, not used")
-        part.rename(final)
+        move_into_place(str(part), str(final))   # verified: readers see no file or the whole runfile
         _VERIFIED[_stat_key(final)] = final
         return final
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from servestack.errors import ConfigError
+from servestack.hostcode import write_atomically
 
 
 def hashes_path(locks_dir: str, inputs: dict) -> Path:
@@ -61,9 +60,7 @@ def fixed_document(inputs: dict, packages: dict, by: str, at: str) -> dict:
 
 
 def write_fixed(path: Path, document: dict) -> None:
-    """Write the document atomically (a temporary file beside it, then rename), creating the folder."""
+    """Write the document atomically (servestack/hostcode.py: a new file beside it, then rename), creating the
+    folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "w") as out:
-        out.write(json.dumps(document, indent=1, sort_keys=True) + "\n")
-    os.replace(temporary, path)
+    write_atomically(str(path), json.dumps(document, indent=1, sort_keys=True) + "\n")

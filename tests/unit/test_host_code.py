@@ -152,6 +152,22 @@ def test_host_side_python_renames_over_a_path_only_in_the_shared_host_codes_move
     assert found["hostcode.py"] == RENAMES_IN["hostcode.py"]
 
 
+def path_renames(path: Path) -> list[tuple[int, str | None]]:
+    """(line, function) of every `X.rename(...)` call (pathlib's)."""
+    tree = ast.parse(path.read_text())
+    return [(node.lineno, function_at(tree, node.lineno)) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "rename"]
+
+
+def test_the_controller_renames_over_a_path_only_through_the_shared_move_into_place():
+    """The controller's own files (the hashes it fixes, the runfile it downloads) are put in place the same way;
+    the one other rename moves a file that failed verification aside, to a timestamped name."""
+    assert {(path.name, function) for path in product_files() for _, function in renames(path)} == \
+        {("hostcode.py", "move_into_place")}
+    assert {(path.name, function) for path in product_files() for _, function in path_renames(path)} == \
+        {("download.py", "reject")}
+
+
 def test_shell_scripts_rename_into_place_only_through_the_helpers():
     helpers = (SCRIPTS / "helpers.sh").read_text()
     assert re.findall(r"\bmv\b[^\n]*", helpers) == ['mv -fT -- "$1" "$2"; }']   # move_into_place, and only it
