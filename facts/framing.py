@@ -12,7 +12,8 @@ so a section's lines are what pyinfra would have read from the command alone (bl
 included). RC is the command's exit status. Python builds sections with `framed`; shell scripts
 in files/scripts with files/scripts/helpers.sh's `section`, and the Python tools sent to a host
 (standard library only, they cannot import this module) with servestack/hostcode.py's `section`,
-which prints `printed`'s lines; one parser, `split`, serves them all, and no other module reads the
+which prints `printed`'s lines (ml_env.py writes its `section_text` through its own `write_out`, which
+outlives a closed stdout); one parser, `split`, serves them all, and no other module reads the
 markers.
 """
 

@@ -34,8 +34,10 @@ def new_file_beside(path, data, mode=0o644):
     """A new file beside `path` holding `data` (bytes), on disk, for `move_into_place`: with `path`'s mode
     (and, as root, its owner) where `path` exists, else `mode`. Its name is `path`.new.PID."""
     temporary = "%s.new.%d" % (path, os.getpid())
+    remove_if_there(temporary)  # left by a killed run; and a link there is never written through (O_EXCL)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with open(temporary, "wb") as handle:
+        with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

@@ -23,7 +23,7 @@ files' text when it is sent (`script_text`):
 - in a Python tool, `from servestack.hostcode import NAME, ...` (HOSTCODE_LINE, a line alone): the code
   the Python tools share, servestack/hostcode.py (their framing and atomic writes), in its place. Where it
   lies, such a tool runs in a python that imports servestack (the tests'); a shell script that reads it
-  (the gate reads ml_env.py) is run as it is sent, as the tests run every script.
+  (the gate reads ml_env.py) is run as it is sent, as the tests run every script that gets past such a read.
 
 The one exception is the service's secrets file (operations/service.py `secrets_file`): its
 content travels by pyinfra's SFTP upload, because a secret must never sit in a command line, where

@@ -355,7 +355,7 @@ def write_out(text):
         os.close(devnull)
 
 
-def section(name, text):
+def write_section(name, text):
     """`text` as the facts/framing.py section `name`, by `write_out`."""
     write_out(section_text(name, text))
 
@@ -635,7 +635,7 @@ def main(argv):
     except Failure as failure:
         sys.stderr.write("servestack: %s\n" % failure)
         return 1
-    section("result", json.dumps(result, sort_keys=True))
+    write_section("result", json.dumps(result, sort_keys=True))
     return 0
 
 

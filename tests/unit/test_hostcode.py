@@ -34,6 +34,21 @@ def test_the_tools_that_frame_output_or_write_on_a_host_include_the_shared_code(
         "patchlib.py": ["move_into_place", "new_file_beside", "remove_if_there", "section"]}
 
 
+def imported_packages(text: str) -> set[str]:
+    """The top-level package of every import in `text`, wherever it stands."""
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom):
+            found.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+    return found
+
+
+def top_level_names(text: str) -> set[str]:
+    return {node.name for node in ast.parse(text).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
 @pytest.mark.parametrize("path", [path for path in PYTHON_TOOLS if including(path)], ids=lambda path: path.name)
 def test_a_tool_is_sent_with_the_shared_code_in_place_of_its_import(path):
     raw = path.read_text()
@@ -41,12 +56,21 @@ def test_a_tool_is_sent_with_the_shared_code_in_place_of_its_import(path):
     before, _ = raw.split(line + "\n")
     sent = script_text(path)
     assert sent.startswith(before + hostcode_code(tuple(including(path))))
-    assert "servestack" not in {alias.name.split(".")[0] for node in ast.walk(ast.parse(sent))
-                                if isinstance(node, (ast.Import, ast.ImportFrom))
-                                for alias in ([ast.alias(node.module or "")] if isinstance(node, ast.ImportFrom)
-                                              else node.names)}
-    defined = {node.name for node in ast.parse(sent).body if isinstance(node, ast.FunctionDef)}
-    assert set(including(path)) <= defined
+    assert set(including(path)) <= top_level_names(sent)
+
+
+@pytest.mark.parametrize("path", PYTHON_TOOLS, ids=lambda path: path.name)
+def test_no_tool_is_sent_with_an_import_of_servestack_in_any_form(path):
+    """However a tool spells an import of servestack's (an alias, a comment after it, inside a function), what
+    is sent has none: the hosts have no servestack."""
+    assert "servestack" not in imported_packages(script_text(path))
+
+
+@pytest.mark.parametrize("path", PYTHON_TOOLS, ids=lambda path: path.name)
+def test_no_tool_defines_a_name_the_shared_code_defines(path):
+    """Sent, a tool holds all of the shared code: a function of its own by the same name would replace it on
+    hosts, and not where the tool lies."""
+    assert top_level_names(path.read_text()) & top_level_names(hostcode_code(())) == set()
 
 
 def test_the_shared_code_is_sent_without_its_module_docstring_and_refuses_a_name_it_lacks():
@@ -85,6 +109,16 @@ def test_a_failed_write_leaves_the_old_file_and_nothing_beside_it(tmp_path):
     with pytest.raises(OSError):
         hostcode.write_atomically(str(path), "text")   # rename(2) of a file over a non-empty directory fails
     assert sorted(os.listdir(tmp_path)) == ["a-directory"] and (path / "inside").read_text() == "x"
+
+
+def test_a_link_where_the_new_file_goes_is_not_written_through(tmp_path):
+    victim = tmp_path / "elsewhere"
+    victim.write_text("keep\n")
+    path = tmp_path / "record.json"
+    (tmp_path / f"record.json.new.{os.getpid()}").symlink_to(victim)
+    hostcode.write_atomically(str(path), "new\n")
+    assert victim.read_text() == "keep\n" and path.read_text() == "new\n" and not path.is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "record.json"]
 
 
 def test_point_link_replaces_a_link_and_leaves_nothing_beside_it(tmp_path):
