@@ -11,10 +11,17 @@ pytestmark = pytest.mark.integration
 PREFLIGHT_ONLY = "tests/integration/deploys/preflight.py"
 
 
-def test_preflight_alone_changes_nothing_and_its_lock_take_makes_the_state_directory(lab):
+@pytest.fixture(scope="module")
+def unconverged(lab):
+    """Two lab hosts that no test sharing them converges: preflight alone (which makes only the state
+    directory), runs refused before connecting, and the fingerprint's check (which undoes what it does)."""
+    return lab(2)
+
+
+def test_preflight_alone_changes_nothing_and_its_lock_take_makes_the_state_directory(unconverged):
     """The state directory holds the lock: the take makes it (bookkeeping, like the lock itself), so a
     dry run makes nothing and a real run reports no change, then or later."""
-    the_lab = lab(2)
+    the_lab = unconverged
     before = the_lab.fingerprints()
     dry = dry_run(the_lab, PREFLIGHT_ONLY)
     assert the_lab.fingerprints() == before, "a dry run changed a host"
@@ -29,8 +36,8 @@ def test_preflight_alone_changes_nothing_and_its_lock_take_makes_the_state_direc
         assert mode == ["755", "root"]
 
 
-def test_bad_host_data_is_refused_before_connecting(lab):
-    the_lab = lab(1)
+def test_bad_host_data_is_refused_before_connecting(unconverged):
+    the_lab = unconverged
     run = run_pyinfra(the_lab, "--data", "gpu_count=3", "--dry")
     assert run.returncode != 0
     assert "host h1: 'service_tp': expected a tensor-parallel size that divides gpu_count=3, got 8" in run.output
@@ -61,10 +68,10 @@ def test_the_whole_deploy_converges_as_a_sudo_user_and_then_changes_nothing(lab)
     assert owner[0] == "root" and owner[1].startswith("/opt/servestack/releases/r-")
 
 
-def test_the_fingerprint_sees_files_and_services_not_systemds_own_mounts(lab):
+def test_the_fingerprint_sees_files_and_services_not_systemds_own_mounts(unconverged):
     """What "a dry run changed a host" compares: files a deploy may touch and service units. A mount
     systemd lists whenever it gets to it (a service's /run/credentials, late after boot) is not in it."""
-    the_lab = lab(1)
+    the_lab = unconverged
     host = the_lab.hosts[0]
     before = the_lab.fingerprint(host)
     the_lab.exec(host, "mkdir -p /run/fingerprint-test && mount -t tmpfs none /run/fingerprint-test", check=True)
@@ -83,8 +90,8 @@ def test_the_fingerprint_sees_files_and_services_not_systemds_own_mounts(lab):
     assert the_lab.fingerprint(host) == before
 
 
-def test_every_bad_value_of_an_inventory_is_one_line_before_connecting(lab):
-    the_lab = lab(1)
+def test_every_bad_value_of_an_inventory_is_one_line_before_connecting(unconverged):
+    the_lab = unconverged
     run = run_pyinfra(the_lab, "-y", "--data", "service_tp=3", "--data", "service_port=-1",
                       "--data", "rollout_batch=0", "--data", "servce_port=1")
     assert run.returncode != 0 and "Connecting to hosts" not in run.output
