@@ -81,8 +81,15 @@ def sh(lab, host, command: str) -> str:
 # --- before the upgrade: the suite works over SSH and fails what is not there yet ----------------
 
 
-def test_before_the_upgrade_the_suite_fails_the_old_stack_over_ssh(lab, tmp_path):
-    the_lab = lab(2, user="ubuntu")  # reached as a sudo user, as group_data/gpu_hosts.py does
+@pytest.fixture(scope="module")
+def before_the_upgrade(lab):
+    """Two lab hosts no deploy has touched, reached as a sudo user, as group_data/gpu_hosts.py does. The
+    tests that share them only run checks, which change nothing there."""
+    return lab(2, user="ubuntu")
+
+
+def test_before_the_upgrade_the_suite_fails_the_old_stack_over_ssh(before_the_upgrade, tmp_path):
+    the_lab = before_the_upgrade
     first, second = (host.name for host in the_lab.hosts)
     run = run_suite(the_lab, tmp_path)
     assert run.returncode == 1, run.output[-3000:]
@@ -100,8 +107,8 @@ def test_before_the_upgrade_the_suite_fails_the_old_stack_over_ssh(lab, tmp_path
         assert run.status(host, "service_active") == FAILED
 
 
-def test_limit_and_the_table(lab, tmp_path):
-    the_lab = lab(2)
+def test_limit_and_the_table(before_the_upgrade, tmp_path):
+    the_lab = before_the_upgrade
     first, second = (host.name for host in the_lab.hosts)
     run = run_suite(the_lab, tmp_path, "--limit", second, "-m", "not deployed")
     assert {host for host, _ in run.outcomes} == {second}
