@@ -234,8 +234,15 @@ def test_the_recap_names_a_failed_host_and_why(lab):
     assert "reason: health-gated restart of sglang.service failed: servestack:" in line, line
 
 
-def test_a_run_that_would_prompt_with_stdin_closed_stops_with_a_message_before_connecting(lab):
-    the_lab = lab(1)
+@pytest.fixture(scope="module")
+def never_converged(lab):
+    """Two lab hosts shared by the tests that never converge them: a run that stops before connecting, and
+    dry runs (the one thing they do to a host is h1's lock of another run, which the stopped run never reads)."""
+    return lab(2)
+
+
+def test_a_run_that_would_prompt_with_stdin_closed_stops_with_a_message_before_connecting(never_converged):
+    the_lab = never_converged
     before = the_lab.fingerprints()
     run = run_pyinfra(the_lab)  # no -y, standard input /dev/null
     assert run.returncode != 0
@@ -269,10 +276,10 @@ def test_sigterm_during_the_runfile_install_then_an_immediate_rerun_leaves_the_t
     assert apply(the_lab).totals["success"] == 0
 
 
-def test_a_dry_run_that_refuses_one_host_with_stdin_closed_ends_with_a_message_and_no_ready_line(lab):
+def test_a_dry_run_that_refuses_one_host_with_stdin_closed_ends_with_a_message_and_no_ready_line(never_converged):
     """Without -y pyinfra asks whether to go on without a refused host; with stdin closed it stops
     with a message (no EOFError traceback). Under -y the refused host gets no "Ready:" line."""
-    the_lab = lab(2)
+    the_lab = never_converged
     held = ('mkdir -p /var/lib/servestack && printf \'{"run_id": "other", "pid": null, "boot_id": "%s"}\\n\' '
             '"$(cat /proc/sys/kernel/random/boot_id)" > /var/lib/servestack/lock')
     the_lab.exec(the_lab.hosts[0], held, check=True)
