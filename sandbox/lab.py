@@ -259,11 +259,13 @@ class Lab:
         try:
             os.killpg(pid, signal.SIGTERM)
             for _ in range(50):
+                _reap(pid)
                 os.killpg(pid, 0)
                 time.sleep(0.1)
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        _reap(pid)
         pid_file.unlink()
 
     def down(self) -> None:
@@ -345,3 +347,12 @@ class Lab:
         console.print(f"inventory: {self.inventory_path}")
         console.print("run pyinfra or pytest against it in the controller namespace: "
                       f"./servestack.sh sandbox run -- .venv/bin/pyinfra {self.inventory_path} deploy.py --dry --diff")
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status of `pid` where it is this process's child (the lab started the server here):
+    until then it is a zombie, which keeps its process group, and the wait above, alive."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:   # started by another process (`sandbox up`), or reaped already
+        pass
