@@ -91,9 +91,11 @@ def hostcode_code(names: tuple[str, ...]) -> str:
     missing = [name for name in names if name not in defined]
     if missing:
         raise ValueError(f"servestack/hostcode.py defines no {', '.join(missing)}")
-    docstring = tree.body[0]
+    first = tree.body[0] if tree.body else None
+    has_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+        and isinstance(first.value.value, str)
     lines = _hostcode_text().splitlines(keepends=True)
-    return "".join(lines[docstring.end_lineno or 0:]).strip("\n") + "\n"
+    return "".join(lines[first.end_lineno or 0:] if has_docstring and first else lines).strip("\n") + "\n"
 
 
 @functools.cache
